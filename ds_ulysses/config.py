@@ -1,0 +1,455 @@
+"""The DeepSpeed config's ``"ulysses"`` section: JSON Schema in, typed frozen config out.
+
+``schemas/ulysses.schema.json`` is the single source of truth for field names, types, allowed
+values and defaults. This module validates a section against it (collecting every error, each
+naming its JSON path, the value that came in and what is allowed), fills defaults from the schema,
+and builds :class:`UlyssesConfig`. The dataclass defaults mirror the schema only so that direct
+construction is convenient; ``tests/test_config.py`` fails if the two drift. Library code reads
+the typed object, never the raw dict.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import difflib
+import functools
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import jsonschema
+
+__all__ = ["SECTION_KEY", "ActivationCheckpointOffloadConfig", "TiledLossConfig", "TiledMLPConfig",
+           "UlyssesConfig", "UlyssesConfigError", "load_schema", "parse_ds_config"]
+
+SECTION_KEY = "ulysses"
+_SCHEMA_FILE = "ulysses.schema.json"
+_MISSING = object()
+
+# Values the schema rejects for a reason worth spelling out: (field, value) -> why and what instead.
+_VALUE_HINTS = {("attn_implementation", "eager"): (
+    "eager needs a full S x S attention mask (O(S^2) memory, the cost sequence parallelism exists "
+    'to avoid); use "sdpa" instead')}
+
+JsonPath = tuple  # inside the section: ("tiled_mlp", "shards") or ("mesh_param", 0)
+
+
+class UlyssesConfigError(ValueError):
+    """Every problem found in a config, so one run of ``ds-ulysses validate`` shows them all.
+
+    ``errors`` is a list of one-line messages sorted by JSON path, each of the form
+    ``ulysses.<path>: expected ..., got ...; <fix>``.
+    """
+
+    def __init__(self, errors: list[str]):
+        self.errors = list(errors)
+        count = len(self.errors)
+        head = f"invalid DeepSpeed/ulysses config ({count} error{'' if count == 1 else 's'}):"
+        super().__init__("\n  ".join([head, *self.errors]))
+
+    def __reduce__(self):
+        # Rebuild from the error list (not the joined message) when sent between processes.
+        return type(self), (self.errors,)
+
+
+def load_schema() -> dict:
+    """Return a fresh copy of the section's JSON Schema (callers may mutate it freely)."""
+    return copy.deepcopy(_schema())
+
+
+@functools.cache
+def _schema() -> dict:
+    try:
+        resource = resources.files("ds_ulysses.schemas").joinpath(_SCHEMA_FILE)
+    except ModuleNotFoundError:
+        # A source checkout put on PYTHONPATH without `pip install`: setup.cfg maps the package
+        # ds_ulysses.schemas onto the top-level schemas/ directory only when installed.
+        resource = Path(__file__).resolve().parent.parent / "schemas" / _SCHEMA_FILE
+    try:
+        return json.loads(resource.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"ds_ulysses: expected the config schema {_SCHEMA_FILE} as package "
+                                f"data of ds_ulysses.schemas, got nothing at {resource}; fix: "
+                                "reinstall ds_ulysses (from a checkout: pip install -e .)") from exc
+
+
+# Python callers naturally write mesh_param=(2, 4), so tuples count as arrays. Integers are ints
+# only: JSON Schema would accept 2.0, which would then leak a float into range() and tensor shapes.
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine_many({
+        "array": lambda _checker, instance: isinstance(instance, (list, tuple)),
+        "integer": lambda _checker, instance: (isinstance(instance, int)
+                                               and not isinstance(instance, bool)),
+    }))
+
+
+def _subschema(path: JsonPath) -> dict:
+    node = _schema()
+    for name in path:
+        node = node["properties"][name]
+    return node
+
+
+@functools.cache
+def _validator(path: JsonPath):
+    return _Validator(_subschema(path))
+
+
+def _dotted(path: JsonPath) -> str:
+    text = SECTION_KEY
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return text
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _describe(schema: dict, plural: bool = False) -> str:
+    """What a (sub)schema allows, in words: '"auto" or an integer >= 1'."""
+    if "const" in schema:
+        return json.dumps(schema["const"])
+    if "enum" in schema:
+        return "one of " + ", ".join(json.dumps(v) for v in schema["enum"])
+    if "anyOf" in schema:
+        return " or ".join(_describe(sub, plural) for sub in schema["anyOf"])
+    types = schema.get("type", [])
+    bounds = "".join(f" {op} {schema[key]}" for key, op in
+                     (("minimum", ">="), ("exclusiveMinimum", ">")) if key in schema)
+    words = {"integer": "integers" if plural else "an integer",
+             "number": "numbers" if plural else "a number",
+             "string": "strings" if plural else "a string",
+             "object": "objects" if plural else "an object", "boolean": "true or false"}
+    named = []
+    for kind in [types] if isinstance(types, str) else types:
+        if kind == "array":
+            items = _describe(schema.get("items", {}), plural=True)
+            named.append(f"an array of {schema['minItems']} {items}" if "minItems" in schema
+                         else f"an array of {items}")
+        elif kind in words:
+            named.append(words[kind] + (bounds if kind in ("integer", "number") else ""))
+    return " or ".join(named + (["null"] if "null" in types else [])) or "a valid value"
+
+
+def _rule_note(error, root: JsonPath) -> str:
+    """The description of the if/then rule an error came from, or '' for plain field checks."""
+    node, note = _subschema(root), ""
+    for step in error.absolute_schema_path:
+        if isinstance(node, dict) and step == "then" and "if" in node:
+            note = node.get("description", "")
+        node = node[step]
+    return note
+
+
+def _format(error, root: JsonPath) -> list[tuple[JsonPath, str]]:
+    path = root + tuple(error.absolute_path)
+    if error.validator == "additionalProperties":
+        allowed = list(error.schema.get("properties", {}))
+        out = []
+        for key in error.instance:
+            if key in allowed:
+                continue
+            near = difflib.get_close_matches(str(key), allowed, n=1)
+            fix = f"did you mean {near[0]!r}?" if near else "allowed fields: " + ", ".join(allowed)
+            out.append((path + (str(key),), f"{_dotted(path + (str(key),))}: unknown field; {fix}"))
+        return out
+    note = _rule_note(error, root)
+    if error.validator == "required":
+        return [(path + (name,), f"{_dotted(path + (name,))}: missing; {note or 'required'}")
+                for name in error.validator_value if name not in error.instance]
+    message = f"{_dotted(path)}: expected {_describe(error.schema)}, got {_show(error.instance)}"
+    if error.validator == "enum" and isinstance(error.instance, str):
+        hint = _VALUE_HINTS.get((path[-1] if path else "", error.instance))
+        near = difflib.get_close_matches(error.instance, [str(v) for v in error.validator_value], 1)
+        message += f"; {hint}" if hint else f"; did you mean {near[0]!r}?" if near else ""
+    if note:
+        message += f"; {note}"
+    return [(path, message)]
+
+
+def _given(section: Mapping, name: str) -> bool:
+    """True when `name` is present, not null, and valid on its own (so cross-checks can use it)."""
+    value = section.get(name)
+    return value is not None and _validator((name,)).is_valid(value)
+
+
+def _cross_field_errors(section: Mapping) -> list[tuple[JsonPath, str]]:
+    """Rules JSON Schema cannot state: agreement between fields."""
+    out = []
+    sp = section["sequence_parallel_size"] if _given(section, "sequence_parallel_size") else 1
+    if _given(section, "mesh_param"):
+        mesh_sp = section["mesh_param"][1]
+        if _given(section, "sequence_parallel_size") and mesh_sp != sp:
+            out.append((("mesh_param",), (
+                f"{_dotted(('mesh_param',))}: expected its sp (second entry) to equal "
+                f"sequence_parallel_size={sp}, got {_show(list(section['mesh_param']))}; fix: make "
+                "them agree or give only one of the two")))
+        sp = mesh_sp
+    if section.get("seq_length_is_variable") is False and _given(section, "seq_length"):
+        length = section["seq_length"]
+        if length % sp:
+            below, above = length - length % sp, length - length % sp + sp
+            out.append((("seq_length",), (
+                f"{_dotted(('seq_length',))}: expected a multiple of sp={sp} (each rank holds "
+                f"seq_length / sp tokens), got {length}; fix: use {below or above}"
+                f"{f' or {above}' if below else ''}, or set seq_length_is_variable to true")))
+    return out
+
+
+def _section_errors(section: Any, root: JsonPath = ()) -> list[tuple[JsonPath, str]]:
+    found: dict[str, JsonPath] = {}
+    for error in _validator(root).iter_errors(section):
+        for path, message in _format(error, root):
+            found.setdefault(message, path)
+    out = [(path, message) for message, path in found.items()]
+    if not root and isinstance(section, Mapping):
+        out += _cross_field_errors(section)
+    return out
+
+
+def _sorted_messages(errors: list[tuple[JsonPath, str]]) -> list[str]:
+    def key(item):
+        return [(0, part, "") if isinstance(part, int) else (1, 0, str(part)) for part in item[0]]
+    return [message for _, message in sorted(errors, key=lambda item: (key(item), item[1]))]
+
+
+class _Section:
+    """Shared behaviour of the frozen config dataclasses: schema-driven build, checks, to_dict."""
+
+    _path: ClassVar[JsonPath] = ()
+    _nested: ClassVar[dict[str, type]] = {}
+
+    @classmethod
+    def from_dict(cls, section: Any):
+        """Validate `section` against its part of the schema and build the typed config.
+
+        Missing fields take the schema's defaults. Raises UlyssesConfigError listing every error.
+        """
+        errors = _section_errors(section, cls._path)
+        if errors:
+            raise UlyssesConfigError(_sorted_messages(errors))
+        return cls._build(section)
+
+    @classmethod
+    def _build(cls, section: Mapping):
+        values = {}
+        for name, prop in _subschema(cls._path)["properties"].items():
+            value = section.get(name, copy.deepcopy(prop["default"]))
+            values[name] = cls._nested[name]._build(value) if name in cls._nested else value
+        return cls(**cls._resolve(values, section))
+
+    @classmethod
+    def _resolve(cls, values: dict, section: Mapping) -> dict:
+        return values
+
+    def __post_init__(self):
+        # Direct construction and dataclasses.replace() get the same checks as from_dict().
+        for name, nested in self._nested.items():
+            if isinstance(getattr(self, name), Mapping):
+                object.__setattr__(self, name, nested.from_dict(getattr(self, name)))
+        errors = _section_errors(self.to_dict(), self._path)
+        if errors:
+            raise UlyssesConfigError(_sorted_messages(errors))
+        for f in dataclasses.fields(self):
+            if isinstance(getattr(self, f.name), list):  # frozen and hashable: arrays as tuples
+                object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
+
+    def to_dict(self) -> dict:
+        """The section as JSON-ready data; ``from_dict(c.to_dict()) == c``."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = (value.to_dict() if isinstance(value, _Section)
+                           else list(value) if isinstance(value, tuple) else value)
+        return out
+
+
+@dataclass(frozen=True)
+class TiledMLPConfig(_Section):
+    """``ulysses.tiled_mlp``: ALST tiled MLP, trading recompute for the MLP's activation memory."""
+
+    _path: ClassVar[JsonPath] = ("tiled_mlp",)
+
+    enabled: bool = False
+    """Tile each decoder MLP over the sequence; costs an extra MLP forward per tile in backward."""
+    shards: int | Literal["auto"] = "auto"
+    """Number of sequence tiles, or "auto" to pick from local sequence length and hidden size."""
+
+
+@dataclass(frozen=True)
+class TiledLossConfig(_Section):
+    """``ulysses.tiled_loss``: fused logits+loss in tiles so [bs, sl, vocab] logits never exist."""
+
+    _path: ClassVar[JsonPath] = ("tiled_loss",)
+
+    enabled: bool = True
+    """On by default: full logits are usually the largest activation at long sequence lengths."""
+    shards: int | Literal["auto"] = "auto"
+    """Number of sequence tiles, or "auto" to pick from local sequence length and vocab size."""
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointOffloadConfig(_Section):
+    """``ulysses.activation_checkpoint_offload``: park checkpointed layer inputs in CPU memory."""
+
+    _path: ClassVar[JsonPath] = ("activation_checkpoint_offload",)
+
+    enabled: bool = False
+    """Off by default: costs host memory and PCIe traffic and needs activation checkpointing."""
+
+
+AttnImplementation = Literal["sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"]
+
+
+@dataclass(frozen=True)
+class UlyssesConfig(_Section):
+    """The validated ``"ulysses"`` section. Build it with ``from_dict`` or ``parse_ds_config``.
+
+    Invariant: ``sequence_parallel_size == mesh_param[1]`` whenever mesh_param is set (a section
+    giving only mesh_param has sequence_parallel_size filled from it), so ``sp`` is one number.
+    """
+
+    _nested: ClassVar[dict[str, type]] = {
+        "tiled_mlp": TiledMLPConfig, "tiled_loss": TiledLossConfig,
+        "activation_checkpoint_offload": ActivationCheckpointOffloadConfig}
+
+    sequence_parallel_size: int = 1
+    """Ranks sharing one sequence; heads are split this many ways, so it must divide head count."""
+    mesh_param: tuple[int, int] | None = None
+    """Explicit (dp, sp) grid; None infers dp = world_size / sp in ``mesh()``."""
+    attn_implementation: AttnImplementation = "sdpa"
+    """Core attention run on full sequences after the all-to-all; eager's S x S mask is refused."""
+    seq_length_is_variable: bool = True
+    """False lets the attention wrapper fix its shapes once, at the price of a fixed seq_length."""
+    seq_length: int | None = None
+    """Fixed global (unsharded) sequence length, a multiple of sp; required when not variable."""
+    pad_to_multiple: bool = True
+    """Pad S up to a multiple of sp in the data adapter (labels -100) so shards are equal."""
+    pad_token_id: int = 0
+    """input_ids value for padded positions; their labels are -100, so it never reaches the loss."""
+    disable_in_eval: bool = False
+    """Bypass SP in eval mode, for eval loops that feed each rank its own unsharded batch."""
+    tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
+    """ALST tiled MLP settings."""
+    tiled_loss: TiledLossConfig = field(default_factory=TiledLossConfig)
+    """ALST tiled logits+loss settings."""
+    activation_checkpoint_offload: ActivationCheckpointOffloadConfig = field(
+        default_factory=ActivationCheckpointOffloadConfig)
+    """ALST activation-checkpoint offload settings."""
+    comm_timeout_seconds: float = 600
+    """Timeout of the SP groups' collectives, so a dead peer fails the job instead of hanging it."""
+
+    @classmethod
+    def _resolve(cls, values: dict, section: Mapping) -> dict:
+        if section.get("mesh_param") is not None and "sequence_parallel_size" not in section:
+            values["sequence_parallel_size"] = section["mesh_param"][1]
+        return values
+
+    @property
+    def sp(self) -> int:
+        """The resolved sequence-parallel size (from sequence_parallel_size or mesh_param)."""
+        return self.sequence_parallel_size
+
+    @property
+    def comm_timeout(self) -> datetime.timedelta:
+        """comm_timeout_seconds in the form torch.distributed.new_group(timeout=...) takes."""
+        return datetime.timedelta(seconds=self.comm_timeout_seconds)
+
+    def mesh(self, world_size: int) -> tuple[int, int]:
+        """The (dp, sp) rank grid for `world_size` ranks; dp is inferred unless mesh_param is set.
+
+        Raises ValueError naming dp, sp and world_size when dp * sp cannot equal world_size.
+        """
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"mesh: expected world_size to be a positive integer, got "
+                             f"{world_size!r}; fix: pass torch.distributed.get_world_size()")
+        sp, divides = self.sp, world_size % self.sp == 0
+        if self.mesh_param is not None and self.mesh_param[0] * sp != world_size:
+            dp = self.mesh_param[0]
+            fix = f"set mesh_param to [{world_size // sp}, {sp}] or drop it" if divides else ""
+            raise ValueError(f"ulysses.mesh_param: expected dp * sp == world_size, got dp={dp} * "
+                             f"sp={sp} = {dp * sp} but world_size={world_size}; fix: "
+                             f"{fix or f'launch {dp * sp} ranks or change mesh_param'}")
+        if not divides:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(f"ulysses.sequence_parallel_size: expected sp to divide world_size, "
+                             f"got sp={sp} and world_size={world_size} (dp = {world_size}/{sp} = "
+                             f"{world_size / sp:g}); fix: launch a multiple of {sp} ranks or set "
+                             f"sequence_parallel_size to one of {divisors}")
+        return world_size // sp, sp
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    # DeepSpeed's own loader rejects duplicate keys too; silently keeping the last one hides typos.
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _reject_constant(name: str):  # Python's json would otherwise accept NaN and Infinity
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _read_json(path: str | os.PathLike) -> Any:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UlyssesConfigError([f"{os.fspath(path)}: expected a readable UTF-8 JSON DeepSpeed "
+                                  f"config, got an error reading it: {reason}"]) from exc
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    except ValueError as exc:
+        where = f":{exc.lineno}:{exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+        raise UlyssesConfigError([f"{os.fspath(path)}{where}: expected a DeepSpeed config in JSON "
+                                  f"(no comments, trailing commas or NaN), got: "
+                                  f"{getattr(exc, 'msg', exc)}"]) from exc
+
+
+def parse_ds_config(config: dict | str | os.PathLike) -> tuple[dict, UlyssesConfig | None]:
+    """Split a DeepSpeed config (dict or JSON file path) into (deepspeed part, ulysses part).
+
+    The first item is a deep copy without the ``"ulysses"`` key, ready for deepspeed.initialize;
+    the second is the typed section, or None when the config has none. Files are read as JSON
+    only: user data is never evaluated. Raises UlyssesConfigError listing every problem.
+    """
+    if isinstance(config, (str, os.PathLike)):
+        config = _read_json(config)
+    elif not isinstance(config, Mapping):
+        raise TypeError(f"parse_ds_config: expected a dict or a path to a JSON file, got "
+                        f"{type(config).__name__}; fix: pass the DeepSpeed config dict or its path")
+    if not isinstance(config, Mapping):
+        raise UlyssesConfigError([f"config: expected a JSON object (a DeepSpeed config), got "
+                                  f"{_show(config)}"])
+    ds_config = copy.deepcopy(dict(config))
+    section = ds_config.pop(SECTION_KEY, _MISSING)
+    errors = []
+    if section is _MISSING:
+        for key in ds_config:
+            if difflib.get_close_matches(str(key).lower(), [SECTION_KEY], cutoff=0.75):
+                errors.append(((), f"{key}: unknown top-level key; did you mean {SECTION_KEY!r}? "
+                                   "DeepSpeed would ignore it and sequence parallelism would stay "
+                                   f"off; fix: rename it to {SECTION_KEY!r}"))
+    else:
+        errors += _section_errors(section)
+    typed = None if errors or section is _MISSING else UlyssesConfig._build(section)
+    top_sp = ds_config.get("sequence_parallel_size")
+    if typed and isinstance(top_sp, int) and not isinstance(top_sp, bool) and top_sp != typed.sp:
+        errors.append(((), f"sequence_parallel_size: expected DeepSpeed's top-level value to equal "
+                           f"ulysses sp={typed.sp}, got {top_sp}; fix: remove the top-level key or "
+                           f"set it to {typed.sp}"))
+    if errors:
+        raise UlyssesConfigError(_sorted_messages(errors))
+    return ds_config, typed
