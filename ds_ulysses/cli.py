@@ -1,0 +1,101 @@
+"""The ``ds-ulysses`` command line: ``ds-ulysses validate CONFIG.json`` and, later, more.
+
+Subcommands live in :data:`SUBCOMMANDS` (name -> :class:`Subcommand`), so adding ``bench``,
+``plan`` or ``export`` is one entry: a function that declares its arguments and one that runs and
+returns the exit code. Runners import what they need when they run, so one subcommand's heavy
+dependencies (a benchmark's, say) are not loaded by another.
+
+Exit codes: 0 success, 2 invalid input (bad config, or argparse's own usage errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import NamedTuple
+
+__all__ = ["EXIT_INVALID", "EXIT_OK", "SUBCOMMANDS", "Subcommand", "build_parser", "main"]
+
+EXIT_OK = 0
+EXIT_INVALID = 2
+
+
+class Subcommand(NamedTuple):
+    """One ``ds-ulysses <name>`` command: its help line, argument setup and runner."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _add_validate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", metavar="CONFIG.json",
+                        help="DeepSpeed config file whose \"ulysses\" section is checked")
+    parser.add_argument("--world-size", type=int, metavar="N",
+                        help="also check that the mesh fits N ranks (dp * sp == N)")
+
+
+def _summary(cfg, world_size: int | None) -> str:
+    """One line a user can eyeball: the mesh, the attention, and which ALST tools are on."""
+    if world_size is not None:
+        dp, sp = cfg.mesh(world_size)
+    else:
+        dp, sp = (cfg.mesh_param[0] if cfg.mesh_param else "auto"), cfg.sp
+
+    def tool(section) -> str:
+        return f"{section.shards}" if section.enabled else "off"
+
+    return (f"ok: mesh dp={dp} sp={sp} | attention {cfg.attn_implementation} | "
+            f"tiled_mlp {tool(cfg.tiled_mlp)}, tiled_loss {tool(cfg.tiled_loss)}, "
+            f"ckpt_offload {'on' if cfg.activation_checkpoint_offload.enabled else 'off'}")
+
+
+def _run_validate(args: argparse.Namespace) -> int:
+    """Print a one-line summary (stdout) or every error, one per line (stderr)."""
+    from ds_ulysses.config import UlyssesConfigError, parse_ds_config
+
+    try:
+        _, cfg = parse_ds_config(args.config)
+        if cfg is None:
+            print(f"ok: no \"ulysses\" section in {args.config}; sequence parallelism is off")
+            return EXIT_OK
+        print(_summary(cfg, args.world_size))
+    except UlyssesConfigError as exc:
+        for error in exc.errors:  # file errors already start with the file name
+            print(error if error.startswith(args.config) else f"{args.config}: {error}",
+                  file=sys.stderr)
+        return EXIT_INVALID
+    except ValueError as exc:  # mesh() for --world-size
+        print(f"{args.config}: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    return EXIT_OK
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "validate": Subcommand("check a DeepSpeed config's \"ulysses\" section against the schema",
+                           _add_validate_arguments, _run_validate),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per entry of SUBCOMMANDS."""
+    parser = argparse.ArgumentParser(
+        prog="ds-ulysses",
+        description="Ulysses sequence parallelism and ALST memory tools for DeepSpeed.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, command in SUBCOMMANDS.items():
+        sub = commands.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(sub)
+        sub.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ds-ulysses`` console script; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
