@@ -1,0 +1,477 @@
+"""Tiled compute along the sequence: the ALST memory tools for MLPs, fused logits+loss and any token-wise fn.
+
+A token-wise computation over a long sequence (an MLP, the lm_head + cross-entropy) holds intermediates
+proportional to the sequence length: `[bs, sl, intermediate]` for an MLP, `[bs*sl, vocab]` logits for
+the loss. Running it tile by tile under `torch.no_grad()` in forward and recomputing one tile at a time
+in backward bounds those intermediates to one tile (ALST paper, "Sequence Tiling"), for the price of
+one extra forward of the tiled op. Only the input gradient buffer is preallocated at full size.
+
+Under DeepSpeed ZeRO-3 the parameters used by a tile are gathered once for the whole backward, and
+`ds_grad_is_ready` is False for every tile but the last, so ZeRO's per-parameter gradient hook reduces
+each gradient once, after the last tile has accumulated into `param.grad`. The same flag makes
+ZeRO-1/2 skip the early tiles. Without DeepSpeed both are no-ops. Under ZeRO-3 every rank must run the
+same number of tiles (parameter gathers are collective): resolve `shards` with `agree_on_shards`.
+
+Dimensions: bs batch, sl sequence, sl_t one tile of the sequence, h hidden, v vocab,
+n = bs*sl flattened tokens, n_t one tile of them.
+"""
+
+import contextlib
+import functools
+import inspect
+import math
+import operator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "SequenceTiledCompute",
+    "sequence_tiled_compute",
+    "TiledMLP",
+    "TiledFusedLogitsLoss",
+    "auto_mlp_shards",
+    "auto_loss_shards",
+    "agree_on_shards",
+    "tile_mlps",
+    "untile_mlps",
+]
+
+IGNORE_INDEX = -100
+DEFAULT_LOGITS_BUDGET_BYTES = 1 << 30  # 1 GiB of logits per tile: 2**28 fp32 values
+_REDUCTIONS = (None, "mean", "sum")
+_MISSING = object()
+
+
+def auto_mlp_shards(seqlen, hidden_size):
+    """ceil(seqlen / hidden_size): each tile's `[sl_t, intermediate]` activations are then about the
+    size of one `[h, intermediate]` weight, the ALST paper's rule of thumb."""
+    seqlen, hidden_size = _positive_int(seqlen, "seqlen"), _positive_int(hidden_size, "hidden_size")
+    return max(1, math.ceil(seqlen / hidden_size))
+
+
+def auto_loss_shards(seqlen, vocab_size, budget_bytes=DEFAULT_LOGITS_BUDGET_BYTES, dtype=torch.float32):
+    """Fewest tiles whose `[n_t, v]` logits fit in `budget_bytes` (default 1 GiB, i.e. 2**28 fp32 logits).
+
+    `seqlen` is the number of tokens the loss sees (bs * sl for a batch). Cross-entropy upcasts
+    logits to fp32, so pass the dtype the loss actually materialises.
+    """
+    seqlen, vocab_size = _positive_int(seqlen, "seqlen"), _positive_int(vocab_size, "vocab_size")
+    budget_bytes = _positive_int(budget_bytes, "budget_bytes")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return max(1, math.ceil(seqlen * vocab_size * itemsize / budget_bytes))
+
+
+def agree_on_shards(n, group=None):
+    """The max of `n` over the ranks of `group`, so ZeRO-3 ranks with different sequence lengths run the
+    same number of tiles (each tile gathers parameters collectively; a mismatch deadlocks)."""
+    n = _positive_int(n, "n")
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return n
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+class SequenceTiledCompute(torch.autograd.Function):
+    """Run `fn` over sequence tiles of the `[bs, sl, ...]` tensors in `args`; recompute per tile in backward.
+
+    `fn` returns either a tensor that is concatenated on `output_unshard_dimension`, or a 0-dim tensor
+    per tile, stacked into `[shards]`; then `output_reduction` (None, "mean", "sum") applies to the
+    whole. Only the tensor under `grad_requiring_tensor_key` gets an input gradient; other tensors are
+    constants, and the parameters `fn` uses accumulate their gradients as usual. Called through
+    `sequence_tiled_compute`, which takes dicts.
+    """
+
+    @classmethod
+    def apply(cls, fn, seqlen, shards, keys_to_shard, keys_to_pass, grad_requiring_tensor_key, compute_params,
+              output_unshard_dimension, output_reduction, *args):
+        keys = list(keys_to_shard) + list(keys_to_pass)
+        source = args[keys.index(grad_requiring_tensor_key)] if grad_requiring_tensor_key in keys else None
+        anchor = _grad_anchor(source, _trainable_params(compute_params, _owners(fn, args[len(keys_to_shard):])))
+        return super().apply(fn, seqlen, shards, keys_to_shard, keys_to_pass, grad_requiring_tensor_key,
+                             compute_params, output_unshard_dimension, output_reduction, *args, *anchor)
+
+    @staticmethod
+    def forward(ctx, fn, seqlen, shards, keys_to_shard, keys_to_pass, grad_requiring_tensor_key,
+                compute_params, output_unshard_dimension, output_reduction, *args_then_anchor):
+        keys = list(keys_to_shard) + list(keys_to_pass)
+        args, ctx.anchor = args_then_anchor[:len(keys)], args_then_anchor[len(keys):]
+        ctx.params = _trainable_params(compute_params, _owners(fn, args[len(keys_to_shard):]))
+        if grad_requiring_tensor_key not in keys_to_shard:
+            raise ValueError(f"sequence_tiled_compute: grad_requiring_tensor_key must name a tensor in "
+                             f"kwargs_to_shard {list(keys_to_shard)}, got {grad_requiring_tensor_key!r}; "
+                             "shard the tensor whose gradient you need")
+        if output_reduction not in _REDUCTIONS:
+            raise ValueError(f"sequence_tiled_compute: output_reduction must be one of {_REDUCTIONS}, got "
+                             f"{output_reduction!r}")
+        shards = _positive_int(shards, "shards")
+        for key, value in zip(keys_to_shard, args):
+            if not torch.is_tensor(value) or value.dim() < 2 or value.shape[1] != seqlen:
+                shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+                raise ValueError(f"sequence_tiled_compute: kwargs_to_shard[{key!r}] must be a [bs, seqlen, ...] "
+                                 f"tensor with seqlen={seqlen}, got {shape}; pass the true seqlen")
+        ctx.fn, ctx.keys, ctx.n_shard = fn, keys, len(keys_to_shard)
+        ctx.grad_key, ctx.dim, ctx.reduction = grad_requiring_tensor_key, output_unshard_dimension, output_reduction
+        ctx.bounds = _tile_bounds(seqlen, shards)
+        tensor_at = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.tensor_at, ctx.others = tensor_at, [None if torch.is_tensor(a) else a for a in args]
+        ctx.save_for_backward(*(args[i] for i in tensor_at))
+
+        with torch.no_grad():
+            outs = [fn(**_tile_kwargs(keys, args, ctx.n_shard, start, stop)) for start, stop in ctx.bounds]
+        ctx.stacked = outs[0].dim() == 0
+        out = torch.stack(outs) if ctx.stacked else torch.cat(outs, dim=output_unshard_dimension)
+        ctx.sizes = [1 if ctx.stacked else o.shape[output_unshard_dimension] for o in outs]
+        ctx.numel = out.numel()
+        if output_reduction == "mean":
+            return out.mean()
+        return out.sum() if output_reduction == "sum" else out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        args = list(ctx.others)
+        for i, t in zip(ctx.tensor_at, ctx.saved_tensors):
+            args[i] = t.detach()
+        grad_at = ctx.keys.index(ctx.grad_key)
+        needs_input_grad = ctx.needs_input_grad[len(_input_names(SequenceTiledCompute.forward)) + grad_at]
+        source = args[grad_at]
+        input_grad = torch.zeros_like(source) if needs_input_grad else None  # [bs, sl, ...]
+        if ctx.reduction == "mean":
+            grad_out = grad_out / ctx.numel
+
+        offset = 0
+        with _zero3_tiles(ctx.params, len(ctx.bounds)) as tiles:
+            for (start, stop), size in zip(tiles(ctx.bounds), ctx.sizes):
+                kwargs = _tile_kwargs(ctx.keys, args, ctx.n_shard, start, stop)
+                tile = kwargs[ctx.grad_key].requires_grad_(needs_input_grad)  # [bs, sl_t, ...]
+                with torch.enable_grad():
+                    out = ctx.fn(**kwargs)
+                if ctx.reduction is not None:
+                    tile_grad = grad_out.expand_as(out)
+                elif ctx.stacked:
+                    tile_grad = grad_out[offset]
+                else:
+                    tile_grad = grad_out.narrow(ctx.dim, offset, size)
+                offset += size
+                _backward_tile(out, tile_grad)
+                if needs_input_grad and tile.grad is not None:
+                    input_grad[:, start:stop].copy_(tile.grad)
+        arg_grads = [input_grad if key == ctx.grad_key else None for key in ctx.keys]
+        return _one_grad_per_input(SequenceTiledCompute.forward, varargs=arg_grads + [None for _ in ctx.anchor])
+
+
+def _tile_kwargs(keys, args, n_shard, start, stop):
+    """kwargs for one tile: the first `n_shard` args sliced `[:, start:stop]` (contiguous copies, so a
+    tile's gradient is a fresh leaf grad), the rest passed whole."""
+    return {k: (a[:, start:stop].contiguous() if i < n_shard else a) for i, (k, a) in enumerate(zip(keys, args))}
+
+
+def sequence_tiled_compute(fn, seqlen, shards, kwargs_to_shard, kwargs_to_pass, grad_requiring_tensor_key,
+                           compute_params=None, output_unshard_dimension=1, output_reduction="mean"):
+    """Tiled `fn(**kwargs_to_shard, **kwargs_to_pass)`; see `SequenceTiledCompute`.
+
+    `kwargs_to_shard` values are `[bs, seqlen, ...]` tensors split on dim 1 with `torch.tensor_split`
+    sizes (unequal when seqlen % shards != 0; empty tiles when shards > seqlen, so `fn` must accept a
+    zero-length tile). `compute_params=None` means every trainable parameter of `fn` if it is a module,
+    of its bound module, and of modules in `kwargs_to_pass`; pass them explicitly otherwise (only ZeRO
+    needs them; plain torch accumulates gradients either way). With 0-dim tile outputs "mean" averages
+    the tile values with equal weight; for a token-mean loss use `TiledFusedLogitsLoss`.
+    """
+    return SequenceTiledCompute.apply(fn, seqlen, shards, list(kwargs_to_shard), list(kwargs_to_pass),
+                                      grad_requiring_tensor_key, compute_params, output_unshard_dimension,
+                                      output_reduction, *kwargs_to_shard.values(), *kwargs_to_pass.values())
+
+
+class TiledMLP(torch.autograd.Function):
+    """`fn(module, x_tile) -> y_tile` over sequence tiles of `x` (`[bs, sl, h]` or `[sl, h]`, tiled on dim -2).
+
+    Output is the tiles concatenated on dim -2. `shards` is an int >= 1 or "auto"
+    (`agree_on_shards(auto_mlp_shards(sl, h))`). `compute_params=None` means every trainable
+    parameter of `module`. Tiles are contiguous, so `fn` may `.view` them.
+    """
+
+    @classmethod
+    def apply(cls, fn, module, x, shards, compute_params):
+        anchor = _grad_anchor(x, _trainable_params(compute_params, [module]))
+        return super().apply(fn, module, x, shards, compute_params, *anchor)
+
+    @staticmethod
+    def forward(ctx, fn, module, x, shards, compute_params, *anchor):
+        if x.dim() < 2:
+            raise ValueError(f"TiledMLP: x must be [bs, sl, h] or [sl, h], got shape {tuple(x.shape)}")
+        if shards == "auto":
+            shards = agree_on_shards(auto_mlp_shards(max(1, x.shape[-2]), x.shape[-1]))
+        ctx.fn, ctx.module, ctx.bounds = fn, module, _tile_bounds(x.shape[-2], _positive_int(shards, "shards"))
+        ctx.params, ctx.anchor = _trainable_params(compute_params, [module]), anchor
+        ctx.save_for_backward(x)
+        out = None
+        with torch.no_grad():
+            for start, stop in ctx.bounds:
+                y = fn(module, x[..., start:stop, :].contiguous())  # [bs, sl_t, h_out]
+                if not torch.is_tensor(y) or y.dim() != x.dim() or y.shape[-2] != stop - start:
+                    got = tuple(y.shape) if torch.is_tensor(y) else type(y).__name__
+                    raise ValueError(f"TiledMLP: fn must map a [..., {stop - start}, h] tile to one tensor "
+                                     f"[..., {stop - start}, h_out], got {got}; wrap fn so it returns the "
+                                     "hidden states only")
+                if out is None:
+                    out = y.new_empty(*y.shape[:-2], x.shape[-2], y.shape[-1])  # [bs, sl, h_out]
+                out[..., start:stop, :] = y
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        needs_x_grad = ctx.needs_input_grad[2]
+        x = x.detach()
+        x_grad = torch.zeros_like(x) if needs_x_grad else None  # [bs, sl, h]
+        with _zero3_tiles(ctx.params, len(ctx.bounds)) as tiles:
+            for start, stop in tiles(ctx.bounds):
+                tile = x[..., start:stop, :].contiguous().requires_grad_(needs_x_grad)  # [bs, sl_t, h]
+                with torch.enable_grad():
+                    y = ctx.fn(ctx.module, tile)
+                _backward_tile(y, grad_out[..., start:stop, :])
+                if needs_x_grad and tile.grad is not None:
+                    x_grad[..., start:stop, :].copy_(tile.grad)
+        return _one_grad_per_input(TiledMLP.forward, x=x_grad, varargs=[None for _ in ctx.anchor])
+
+
+class TiledFusedLogitsLoss(torch.autograd.Function):
+    """Token-mean (or sum) loss of `fn` over tiles of tokens, never holding more than one tile's logits.
+
+    Contract: `x` is `[..., h]` (e.g. `[bs, sl, h]`), `y` is `x.shape[:-1]` (e.g. `shift_labels`); both
+    are flattened to `n = bs*sl` tokens and tiled on that dim. `fn(module, x_tile [n_t, h], y_tile [n_t])`
+    (plus `mask_tile [n_t]` as a 4th argument when `mask` is given, as in DeepSpeed) must return the SUM
+    of the per-token losses over the tile's valid tokens, as a 1-element tensor (e.g.
+    `F.cross_entropy(module(x_t).float(), y_t, reduction="sum")`), and 0 for a tile without valid
+    tokens. Valid tokens are `mask != 0`, or `y != -100` when `mask` is None.
+
+    `output_reduction="sum"` returns the summed loss; "mean" divides it by the number of valid tokens
+    over all tiles (a true token mean, not a mean of tile means), and returns 0, not NaN, when there
+    is none. `shards` is an int >= 1 or "auto" (`auto_loss_shards(n, module.weight.shape[0])`, agreed
+    over ranks). Backward recomputes each tile and scales every gradient, input and parameters alike,
+    by the incoming gradient, so `0.5 * loss` and loss scaling give exactly scaled gradients.
+    """
+
+    @classmethod
+    def apply(cls, fn, module, x, y, mask, shards, compute_params, output_reduction):
+        anchor = _grad_anchor(x, _trainable_params(compute_params, [module]))
+        return super().apply(fn, module, x, y, mask, shards, compute_params, output_reduction, *anchor)
+
+    @staticmethod
+    def forward(ctx, fn, module, x, y, mask, shards, compute_params, output_reduction, *anchor):
+        if output_reduction not in ("mean", "sum"):
+            raise ValueError(f"TiledFusedLogitsLoss: output_reduction must be 'mean' or 'sum', got "
+                             f"{output_reduction!r}")
+        if x.dim() < 2 or tuple(y.shape) != tuple(x.shape[:-1]):
+            raise ValueError(f"TiledFusedLogitsLoss: expected x [..., h] and y of shape x.shape[:-1], got x "
+                             f"{tuple(x.shape)} and y {tuple(y.shape)}; pass shift_labels aligned with x")
+        if mask is not None and tuple(mask.shape) != tuple(y.shape):
+            raise ValueError(f"TiledFusedLogitsLoss: mask must have y's shape {tuple(y.shape)}, got "
+                             f"{tuple(mask.shape)}; pass mask=None to use y != -100")
+        x_flat, y_flat = x.reshape(-1, x.shape[-1]), y.reshape(-1)  # [bs, sl, h] -> [n, h], [bs, sl] -> [n]
+        mask_flat = None if mask is None else mask.reshape(-1)  # [bs, sl] -> [n]
+        if shards == "auto":
+            shards = agree_on_shards(auto_loss_shards(max(1, y_flat.numel()), _vocab_size(module)))
+        ctx.fn, ctx.module, ctx.reduction = fn, module, output_reduction
+        ctx.bounds = _tile_bounds(y_flat.numel(), _positive_int(shards, "shards"))
+        ctx.params, ctx.anchor = _trainable_params(compute_params, [module]), anchor
+        ctx.has_mask, ctx.x_shape = mask is not None, x.shape
+        ctx.save_for_backward(x_flat, y_flat, *([] if mask is None else [mask_flat]))
+
+        valid = (mask_flat != 0) if mask is not None else (y_flat != IGNORE_INDEX)
+        ctx.denom = valid.sum().clamp(min=1) if output_reduction == "mean" else None
+        total = None
+        with torch.no_grad():
+            for start, stop in ctx.bounds:
+                loss = fn(*_loss_args(module, x_flat, y_flat, mask_flat, start, stop))
+                if not torch.is_tensor(loss) or loss.numel() != 1:
+                    got = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
+                    raise ValueError(f"TiledFusedLogitsLoss: fn must return the tile's summed loss as a "
+                                     f"1-element tensor, got {got}; use reduction='sum' in fn")
+                loss = loss.reshape(())
+                total = loss if total is None else total + loss
+        return total / ctx.denom.to(total.dtype) if ctx.denom is not None else total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, y, *mask = ctx.saved_tensors
+        mask = mask[0] if ctx.has_mask else None
+        needs_x_grad = ctx.needs_input_grad[2]
+        x = x.detach()
+        x_grad = torch.zeros_like(x) if needs_x_grad else None  # [n, h]
+        scale = grad_out / ctx.denom.to(grad_out.dtype) if ctx.denom is not None else grad_out
+        with _zero3_tiles(ctx.params, len(ctx.bounds)) as tiles:
+            for start, stop in tiles(ctx.bounds):
+                module, tile, *rest = _loss_args(ctx.module, x, y, mask, start, stop)
+                tile.requires_grad_(needs_x_grad)
+                with torch.enable_grad():
+                    loss = ctx.fn(module, tile, *rest)
+                _backward_tile(loss, scale.to(loss.dtype).expand_as(loss))
+                if needs_x_grad and tile.grad is not None:
+                    x_grad[start:stop].copy_(tile.grad)
+        if x_grad is not None:
+            x_grad = x_grad.view(ctx.x_shape)  # [n, h] -> [bs, sl, h]
+        return _one_grad_per_input(TiledFusedLogitsLoss.forward, x=x_grad, varargs=[None for _ in ctx.anchor])
+
+
+def tile_mlps(model, shards="auto"):
+    """Run every module named `mlp` in `model` through `TiledMLP`, without editing model code.
+
+    Each MLP's own forward is called per tile (gate/up/down Llama MLPs and any token-wise MLP alike),
+    through an instance attribute that shadows the class's forward, so other models of the same class
+    are untouched. `shards` is an int or "auto" (`ceil(sl / h)`, agreed over ranks). The MLP must
+    return one tensor (MoE blocks that also return router logits are not supported). Idempotent;
+    returns how many MLPs run tiled after the call.
+    """
+    if shards != "auto":
+        _positive_int(shards, "shards")
+    count = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] != "mlp":
+            continue
+        if "_ds_ulysses_untiled_forward" not in module.__dict__:
+            module._ds_ulysses_untiled_forward = module.__dict__.get("forward", _MISSING)
+            module.forward = functools.partial(_tiled_mlp_forward, module, module.forward)
+        module._ds_ulysses_shards = shards
+        count += 1
+    return count
+
+
+def untile_mlps(model):
+    """Undo `tile_mlps`: restore each MLP's forward. Idempotent; returns how many were restored."""
+    count = 0
+    for module in model.modules():
+        previous = module.__dict__.pop("_ds_ulysses_untiled_forward", None)
+        if previous is None:
+            continue
+        del module.forward
+        if previous is not _MISSING:
+            module.forward = previous
+        module.__dict__.pop("_ds_ulysses_shards", None)
+        count += 1
+    return count
+
+
+def _tiled_mlp_forward(module, forward, x, *args, **kwargs):
+    return TiledMLP.apply(lambda _module, tile: forward(tile, *args, **kwargs), module, x,
+                          module._ds_ulysses_shards, None)
+
+
+def _loss_args(module, x, y, mask, start, stop):
+    """fn's arguments for tokens [start, stop): contiguous row slices of the flattened [n, ...] tensors."""
+    args = (module, x[start:stop].detach(), y[start:stop])  # [n_t, h], [n_t]
+    return args if mask is None else args + (mask[start:stop],)
+
+
+def _vocab_size(module):
+    weight = getattr(module, "weight", None)
+    if not torch.is_tensor(weight) or weight.dim() != 2:
+        raise ValueError(f"TiledFusedLogitsLoss: shards='auto' reads the vocab size from module.weight "
+                         f"[v, h], but {type(module).__name__} has none; pass an int (see auto_loss_shards)")
+    return weight.ds_shape[0] if hasattr(weight, "ds_shape") else weight.shape[0]
+
+
+def _tile_bounds(length, shards):
+    """[start, stop) per tile with `torch.tensor_split`'s sizes: the first `length % shards` tiles are one
+    longer, and tiles past the end are empty, so every rank runs `shards` tiles whatever its length."""
+    small, extra = divmod(length, shards)
+    bounds, start = [], 0
+    for i in range(shards):
+        stop = start + small + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def _trainable_params(compute_params, owners):
+    """The parameters ZeRO must coordinate: `compute_params`, or with None every trainable parameter of
+    the modules among `owners` (LoRA adapters included, frozen base weights excluded)."""
+    if compute_params is None:
+        compute_params = [p for o in owners if isinstance(o, nn.Module) for p in o.parameters()]
+    unique = {id(p): p for p in compute_params if p.requires_grad}
+    return list(unique.values())
+
+
+def _owners(fn, passed):
+    """Where compute_params=None looks for parameters: fn itself, its bound object, passed values."""
+    return [fn, getattr(fn, "__self__", None), *passed]
+
+
+def _grad_anchor(source, params):
+    """A zero-size leaf input that makes the Function's output require grad when only parameters do.
+
+    Parameters are deliberately not Function inputs: their gradients come from the per-tile
+    recomputes, and an outer AccumulateGrad would fire ZeRO's per-parameter hook once more. Without
+    the anchor a frozen input (e.g. a linear probe on the lm_head) would leave them without gradient.
+    """
+    if torch.is_grad_enabled() and params and torch.is_tensor(source) and not source.requires_grad:
+        return (torch.empty(0, device=source.device, requires_grad=True),)
+    return ()
+
+
+@contextlib.contextmanager
+def _zero3_tiles(params, n_tiles):
+    """Gather ZeRO-3 `params` once for the whole backward and yield a tile iterator that holds their
+    gradient reduction back (`ds_grad_is_ready = False`) until the last tile; restores the flags after."""
+    zero3 = [p for p in params if hasattr(p, "ds_id")]
+    before = [(p, p.__dict__.get("ds_grad_is_ready", _MISSING)) for p in params]
+
+    def tiles(bounds):
+        for i, bound in enumerate(bounds):
+            for p in params:
+                p.ds_grad_is_ready = i == n_tiles - 1
+            yield bound
+
+    if zero3:
+        import deepspeed  # ZeRO-3 parameters exist only once deepspeed is imported
+
+        gathered = deepspeed.zero.GatheredParameters(zero3)
+    else:
+        gathered = contextlib.nullcontext()
+    try:
+        with gathered:
+            yield tiles
+    finally:
+        for p, flag in before:
+            if flag is _MISSING:
+                p.__dict__.pop("ds_grad_is_ready", None)
+            else:
+                p.ds_grad_is_ready = flag
+
+
+def _backward_tile(out, grad):
+    """Backpropagate one recomputed tile; a tile whose output depends on nothing trainable is skipped."""
+    if out.requires_grad:
+        torch.autograd.backward(out, grad)
+
+
+@functools.lru_cache(maxsize=None)
+def _input_names(forward):
+    params = list(inspect.signature(forward).parameters.values())[1:]  # drop ctx
+    return tuple(p.name for p in params if p.kind is not inspect.Parameter.VAR_POSITIONAL)
+
+
+def _one_grad_per_input(forward, varargs=(), **grads):
+    """backward's return value, built from `forward`'s own signature: one entry per named input
+    (the gradient given by name, else None), then one per `*args` input."""
+    names = _input_names(forward)
+    unknown = set(grads) - set(names)
+    if unknown:
+        raise ValueError(f"gradients given for {sorted(unknown)}, which are not inputs of {forward.__qualname__} "
+                         f"{names}; name an input of forward")
+    return tuple(grads.get(name) for name in names) + tuple(varargs)
+
+
+def _positive_int(value, name):
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or isinstance(value, bool) or number < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}; pass e.g. {name}=4")
+    return number
