@@ -153,14 +153,11 @@ def _rule_note(error, root: JsonPath) -> str:
 def _format(error, root: JsonPath) -> list[tuple[JsonPath, str]]:
     path = root + tuple(error.absolute_path)
     if error.validator == "additionalProperties":
-        allowed = list(error.schema.get("properties", {}))
-        out = []
-        for key in error.instance:
-            if key in allowed:
-                continue
-            near = difflib.get_close_matches(str(key), allowed, n=1)
+        allowed, out = list(error.schema["properties"]), []
+        for key in (str(key) for key in error.instance if key not in allowed):
+            near = difflib.get_close_matches(key, allowed, n=1)
             fix = f"did you mean {near[0]!r}?" if near else "allowed fields: " + ", ".join(allowed)
-            out.append((path + (str(key),), f"{_dotted(path + (str(key),))}: unknown field; {fix}"))
+            out.append((path + (key,), f"{_dotted(path + (key,))}: unknown field; {fix}"))
         return out
     note = _rule_note(error, root)
     if error.validator == "required":
@@ -197,11 +194,11 @@ def _cross_field_errors(section: Mapping) -> list[tuple[JsonPath, str]]:
     if section.get("seq_length_is_variable") is False and _given(section, "seq_length"):
         length = section["seq_length"]
         if length % sp:
-            below, above = length - length % sp, length - length % sp + sp
+            nearest = sorted({max(sp, length - length % sp), length - length % sp + sp})
             out.append((("seq_length",), (
                 f"{_dotted(('seq_length',))}: expected a multiple of sp={sp} (each rank holds "
-                f"seq_length / sp tokens), got {length}; fix: use {below or above}"
-                f"{f' or {above}' if below else ''}, or set seq_length_is_variable to true")))
+                f"seq_length / sp tokens), got {length}; fix: use {' or '.join(map(str, nearest))}"
+                ", or set seq_length_is_variable to true")))
     return out
 
 
@@ -216,10 +213,12 @@ def _section_errors(section: Any, root: JsonPath = ()) -> list[tuple[JsonPath, s
     return out
 
 
-def _sorted_messages(errors: list[tuple[JsonPath, str]]) -> list[str]:
+def _raise_if(errors: list[tuple[JsonPath, str]]) -> None:
+    """Raise one UlyssesConfigError carrying every message, ordered by JSON path."""
     def key(item):
-        return [(0, part, "") if isinstance(part, int) else (1, 0, str(part)) for part in item[0]]
-    return [message for _, message in sorted(errors, key=lambda item: (key(item), item[1]))]
+        return [(0, p, "") if isinstance(p, int) else (1, 0, str(p)) for p in item[0]], item[1]
+    if errors:
+        raise UlyssesConfigError([message for _, message in sorted(errors, key=key)])
 
 
 class _Section:
@@ -234,9 +233,7 @@ class _Section:
 
         Missing fields take the schema's defaults. Raises UlyssesConfigError listing every error.
         """
-        errors = _section_errors(section, cls._path)
-        if errors:
-            raise UlyssesConfigError(_sorted_messages(errors))
+        _raise_if(_section_errors(section, cls._path))
         return cls._build(section)
 
     @classmethod
@@ -245,20 +242,14 @@ class _Section:
         for name, prop in _subschema(cls._path)["properties"].items():
             value = section.get(name, copy.deepcopy(prop["default"]))
             values[name] = cls._nested[name]._build(value) if name in cls._nested else value
-        return cls(**cls._resolve(values, section))
-
-    @classmethod
-    def _resolve(cls, values: dict, section: Mapping) -> dict:
-        return values
+        return cls(**values)
 
     def __post_init__(self):
         # Direct construction and dataclasses.replace() get the same checks as from_dict().
         for name, nested in self._nested.items():
             if isinstance(getattr(self, name), Mapping):
                 object.__setattr__(self, name, nested.from_dict(getattr(self, name)))
-        errors = _section_errors(self.to_dict(), self._path)
-        if errors:
-            raise UlyssesConfigError(_sorted_messages(errors))
+        _raise_if(_section_errors(self.to_dict(), self._path))
         for f in dataclasses.fields(self):
             if isinstance(getattr(self, f.name), list):  # frozen and hashable: arrays as tuples
                 object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
@@ -349,10 +340,10 @@ class UlyssesConfig(_Section):
     """Timeout of the SP groups' collectives, so a dead peer fails the job instead of hanging it."""
 
     @classmethod
-    def _resolve(cls, values: dict, section: Mapping) -> dict:
+    def _build(cls, section: Mapping):
         if section.get("mesh_param") is not None and "sequence_parallel_size" not in section:
-            values["sequence_parallel_size"] = section["mesh_param"][1]
-        return values
+            section = {**section, "sequence_parallel_size": section["mesh_param"][1]}
+        return super()._build(section)
 
     @property
     def sp(self) -> int:
@@ -450,6 +441,5 @@ def parse_ds_config(config: dict | str | os.PathLike) -> tuple[dict, UlyssesConf
         errors.append(((), f"sequence_parallel_size: expected DeepSpeed's top-level value to equal "
                            f"ulysses sp={typed.sp}, got {top_sp}; fix: remove the top-level key or "
                            f"set it to {typed.sp}"))
-    if errors:
-        raise UlyssesConfigError(_sorted_messages(errors))
+    _raise_if(errors)
     return ds_config, typed

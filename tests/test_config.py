@@ -15,6 +15,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import typing
 import zipfile
 from pathlib import Path
 
@@ -95,6 +96,10 @@ def _assert_no_drift(cls, schema, path):
 
 def test_dataclasses_mirror_schema_fields_and_defaults():
     _assert_no_drift(UlyssesConfig, SCHEMA, "ulysses")
+
+
+def test_attn_implementation_literal_matches_schema_enum():
+    assert typing.get_args(config_module.AttnImplementation) == tuple(ATTN)
 
 
 def test_every_dataclass_field_has_a_docstring():
@@ -352,6 +357,7 @@ def test_example_configs_parse_to_the_documented_setups():
 # ---------------------------------------------------------------- property tests
 
 SHARDS = st.one_of(st.just("auto"), st.integers(1, 4096))
+TILED = st.fixed_dictionaries({}, optional={"enabled": st.booleans(), "shards": SHARDS})
 
 
 @st.composite
@@ -373,8 +379,8 @@ def valid_sections(draw):
         "pad_to_multiple": st.booleans(),
         "pad_token_id": st.integers(0, 2**31),
         "disable_in_eval": st.booleans(),
-        "tiled_mlp": st.fixed_dictionaries({}, optional={"enabled": st.booleans(), "shards": SHARDS}),
-        "tiled_loss": st.fixed_dictionaries({}, optional={"enabled": st.booleans(), "shards": SHARDS}),
+        "tiled_mlp": TILED,
+        "tiled_loss": TILED,
         "activation_checkpoint_offload": st.fixed_dictionaries(
             {}, optional={"enabled": st.booleans()}),
         "comm_timeout_seconds": st.one_of(st.integers(1, 10**6),
