@@ -26,17 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = [
-    "SequenceTiledCompute",
-    "sequence_tiled_compute",
-    "TiledMLP",
-    "TiledFusedLogitsLoss",
-    "auto_mlp_shards",
-    "auto_loss_shards",
-    "agree_on_shards",
-    "tile_mlps",
-    "untile_mlps",
-]
+__all__ = ["SequenceTiledCompute", "sequence_tiled_compute", "TiledMLP", "TiledFusedLogitsLoss", "auto_mlp_shards",
+           "auto_loss_shards", "agree_on_shards", "tile_mlps", "untile_mlps"]
 
 IGNORE_INDEX = -100
 DEFAULT_LOGITS_BUDGET_BYTES = 1 << 30  # 1 GiB of logits per tile: 2**28 fp32 values
@@ -126,7 +117,8 @@ class SequenceTiledCompute(torch.autograd.Function):
             outs = [fn(**_tile_kwargs(keys, args, ctx.n_shard, start, stop)) for start, stop in ctx.bounds]
         ctx.stacked = outs[0].dim() == 0
         out = torch.stack(outs) if ctx.stacked else torch.cat(outs, dim=output_unshard_dimension)
-        ctx.sizes = [1 if ctx.stacked else o.shape[output_unshard_dimension] for o in outs]
+        sizes = [1 if ctx.stacked else o.shape[output_unshard_dimension] for o in outs]
+        ctx.out_bounds = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
         ctx.numel = out.numel()
         if output_reduction == "mean":
             return out.mean()
@@ -138,36 +130,26 @@ class SequenceTiledCompute(torch.autograd.Function):
         for i, t in zip(ctx.tensor_at, ctx.saved_tensors):
             args[i] = t.detach()
         grad_at = ctx.keys.index(ctx.grad_key)
-        needs_input_grad = ctx.needs_input_grad[len(_input_names(SequenceTiledCompute.forward)) + grad_at]
-        source = args[grad_at]
-        input_grad = torch.zeros_like(source) if needs_input_grad else None  # [bs, sl, ...]
+        needs_grad = ctx.needs_input_grad[len(_input_names(SequenceTiledCompute.forward)) + grad_at]
         if ctx.reduction == "mean":
             grad_out = grad_out / ctx.numel
 
-        offset = 0
-        with _zero3_tiles(ctx.params, len(ctx.bounds)) as tiles:
-            for (start, stop), size in zip(tiles(ctx.bounds), ctx.sizes):
-                kwargs = _tile_kwargs(ctx.keys, args, ctx.n_shard, start, stop)
-                tile = kwargs[ctx.grad_key].requires_grad_(needs_input_grad)  # [bs, sl_t, ...]
-                with torch.enable_grad():
-                    out = ctx.fn(**kwargs)
-                if ctx.reduction is not None:
-                    tile_grad = grad_out.expand_as(out)
-                elif ctx.stacked:
-                    tile_grad = grad_out[offset]
-                else:
-                    tile_grad = grad_out.narrow(ctx.dim, offset, size)
-                offset += size
-                _backward_tile(out, tile_grad)
-                if needs_input_grad and tile.grad is not None:
-                    input_grad[:, start:stop].copy_(tile.grad)
+        def recompute(i, start, stop, tile):
+            kwargs = _tile_kwargs(ctx.keys, args, ctx.n_shard, start, stop)
+            out = ctx.fn(**{**kwargs, ctx.grad_key: tile})
+            if ctx.reduction is not None:
+                return out, grad_out.expand_as(out)
+            offset, size = ctx.out_bounds[i]
+            return out, grad_out[offset] if ctx.stacked else grad_out.narrow(ctx.dim, offset, size)
+
+        input_grad = _recompute_tiles(ctx.params, ctx.bounds, args[grad_at], 1, needs_grad, recompute)
         arg_grads = [input_grad if key == ctx.grad_key else None for key in ctx.keys]
         return _one_grad_per_input(SequenceTiledCompute.forward, varargs=arg_grads + [None for _ in ctx.anchor])
 
 
 def _tile_kwargs(keys, args, n_shard, start, stop):
-    """kwargs for one tile: the first `n_shard` args sliced `[:, start:stop]` (contiguous copies, so a
-    tile's gradient is a fresh leaf grad), the rest passed whole."""
+    """kwargs for one tile: the first `n_shard` args sliced `[:, start:stop]` (contiguous, as fn may
+    `.view` them), the rest passed whole."""
     return {k: (a[:, start:stop].contiguous() if i < n_shard else a) for i, (k, a) in enumerate(zip(keys, args))}
 
 
@@ -226,17 +208,11 @@ class TiledMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
-        needs_x_grad = ctx.needs_input_grad[2]
-        x = x.detach()
-        x_grad = torch.zeros_like(x) if needs_x_grad else None  # [bs, sl, h]
-        with _zero3_tiles(ctx.params, len(ctx.bounds)) as tiles:
-            for start, stop in tiles(ctx.bounds):
-                tile = x[..., start:stop, :].contiguous().requires_grad_(needs_x_grad)  # [bs, sl_t, h]
-                with torch.enable_grad():
-                    y = ctx.fn(ctx.module, tile)
-                _backward_tile(y, grad_out[..., start:stop, :])
-                if needs_x_grad and tile.grad is not None:
-                    x_grad[..., start:stop, :].copy_(tile.grad)
+
+        def recompute(i, start, stop, tile):  # tile: [bs, sl_t, h]
+            return ctx.fn(ctx.module, tile), grad_out[..., start:stop, :]
+
+        x_grad = _recompute_tiles(ctx.params, ctx.bounds, x, -2, ctx.needs_input_grad[2], recompute)
         return _one_grad_per_input(TiledMLP.forward, x=x_grad, varargs=[None for _ in ctx.anchor])
 
 
@@ -280,7 +256,7 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         ctx.fn, ctx.module, ctx.reduction = fn, module, output_reduction
         ctx.bounds = _tile_bounds(y_flat.numel(), _positive_int(shards, "shards"))
         ctx.params, ctx.anchor = _trainable_params(compute_params, [module]), anchor
-        ctx.has_mask, ctx.x_shape = mask is not None, x.shape
+        ctx.x_shape = x.shape
         ctx.save_for_backward(x_flat, y_flat, *([] if mask is None else [mask_flat]))
 
         valid = (mask_flat != 0) if mask is not None else (y_flat != IGNORE_INDEX)
@@ -288,7 +264,8 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         total = None
         with torch.no_grad():
             for start, stop in ctx.bounds:
-                loss = fn(*_loss_args(module, x_flat, y_flat, mask_flat, start, stop))
+                masks = () if mask is None else (mask_flat[start:stop],)
+                loss = fn(module, x_flat[start:stop], y_flat[start:stop], *masks)  # [n_t, h], [n_t]
                 if not torch.is_tensor(loss) or loss.numel() != 1:
                     got = tuple(loss.shape) if torch.is_tensor(loss) else type(loss).__name__
                     raise ValueError(f"TiledFusedLogitsLoss: fn must return the tile's summed loss as a "
@@ -299,21 +276,14 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, y, *mask = ctx.saved_tensors
-        mask = mask[0] if ctx.has_mask else None
-        needs_x_grad = ctx.needs_input_grad[2]
-        x = x.detach()
-        x_grad = torch.zeros_like(x) if needs_x_grad else None  # [n, h]
+        x, y, *mask = ctx.saved_tensors  # [n, h], [n], [n]
         scale = grad_out / ctx.denom.to(grad_out.dtype) if ctx.denom is not None else grad_out
-        with _zero3_tiles(ctx.params, len(ctx.bounds)) as tiles:
-            for start, stop in tiles(ctx.bounds):
-                module, tile, *rest = _loss_args(ctx.module, x, y, mask, start, stop)
-                tile.requires_grad_(needs_x_grad)
-                with torch.enable_grad():
-                    loss = ctx.fn(module, tile, *rest)
-                _backward_tile(loss, scale.to(loss.dtype).expand_as(loss))
-                if needs_x_grad and tile.grad is not None:
-                    x_grad[start:stop].copy_(tile.grad)
+
+        def recompute(i, start, stop, tile):  # tile: [n_t, h]
+            loss = ctx.fn(ctx.module, tile, y[start:stop], *(m[start:stop] for m in mask))
+            return loss, scale.to(loss.dtype).expand_as(loss)
+
+        x_grad = _recompute_tiles(ctx.params, ctx.bounds, x, 0, ctx.needs_input_grad[2], recompute)
         if x_grad is not None:
             x_grad = x_grad.view(ctx.x_shape)  # [n, h] -> [bs, sl, h]
         return _one_grad_per_input(TiledFusedLogitsLoss.forward, x=x_grad, varargs=[None for _ in ctx.anchor])
@@ -362,12 +332,6 @@ def _tiled_mlp_forward(module, forward, x, *args, **kwargs):
                           module._ds_ulysses_shards, None)
 
 
-def _loss_args(module, x, y, mask, start, stop):
-    """fn's arguments for tokens [start, stop): contiguous row slices of the flattened [n, ...] tensors."""
-    args = (module, x[start:stop].detach(), y[start:stop])  # [n_t, h], [n_t]
-    return args if mask is None else args + (mask[start:stop],)
-
-
 def _vocab_size(module):
     weight = getattr(module, "weight", None)
     if not torch.is_tensor(weight) or weight.dim() != 2:
@@ -380,12 +344,8 @@ def _tile_bounds(length, shards):
     """[start, stop) per tile with `torch.tensor_split`'s sizes: the first `length % shards` tiles are one
     longer, and tiles past the end are empty, so every rank runs `shards` tiles whatever its length."""
     small, extra = divmod(length, shards)
-    bounds, start = [], 0
-    for i in range(shards):
-        stop = start + small + (1 if i < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+    edges = [i * small + min(i, extra) for i in range(shards + 1)]
+    return list(zip(edges[:-1], edges[1:]))
 
 
 def _trainable_params(compute_params, owners):
@@ -414,40 +374,45 @@ def _grad_anchor(source, params):
     return ()
 
 
-@contextlib.contextmanager
-def _zero3_tiles(params, n_tiles):
-    """Gather ZeRO-3 `params` once for the whole backward and yield a tile iterator that holds their
-    gradient reduction back (`ds_grad_is_ready = False`) until the last tile; restores the flags after."""
-    zero3 = [p for p in params if hasattr(p, "ds_id")]
+def _recompute_tiles(params, bounds, source, dim, needs_grad, recompute):
+    """The backward shared by the three Functions: per tile of `source` (split on `dim`), recompute
+    `(out, out_grad) = recompute(i, start, stop, tile)` with grad enabled, backpropagate it, and copy
+    the tile's input gradient into one preallocated buffer (returned; None if not `needs_grad`).
+
+    ZeRO-3 `params` are gathered once for all tiles, and `ds_grad_is_ready` is False until the last
+    tile so ZeRO reduces each gradient once, after `param.grad` has accumulated every tile; the
+    flags are restored afterwards.
+    """
+    source = source.detach()
+    source_grad = torch.zeros_like(source) if needs_grad else None
     before = [(p, p.__dict__.get("ds_grad_is_ready", _MISSING)) for p in params]
-
-    def tiles(bounds):
-        for i, bound in enumerate(bounds):
-            for p in params:
-                p.ds_grad_is_ready = i == n_tiles - 1
-            yield bound
-
-    if zero3:
-        import deepspeed  # ZeRO-3 parameters exist only once deepspeed is imported
-
-        gathered = deepspeed.zero.GatheredParameters(zero3)
-    else:
-        gathered = contextlib.nullcontext()
     try:
-        with gathered:
-            yield tiles
+        with _gathered([p for p in params if hasattr(p, "ds_id")]):
+            for i, (start, stop) in enumerate(bounds):
+                for p in params:
+                    p.ds_grad_is_ready = i == len(bounds) - 1
+                tile = source.narrow(dim, start, stop - start).contiguous().requires_grad_(needs_grad)
+                with torch.enable_grad():
+                    out, out_grad = recompute(i, start, stop, tile)
+                if out.requires_grad:  # a tile may depend on nothing trainable
+                    torch.autograd.backward(out, out_grad)
+                if needs_grad and tile.grad is not None:
+                    source_grad.narrow(dim, start, stop - start).copy_(tile.grad)
     finally:
         for p, flag in before:
             if flag is _MISSING:
                 p.__dict__.pop("ds_grad_is_ready", None)
             else:
                 p.ds_grad_is_ready = flag
+    return source_grad
 
 
-def _backward_tile(out, grad):
-    """Backpropagate one recomputed tile; a tile whose output depends on nothing trainable is skipped."""
-    if out.requires_grad:
-        torch.autograd.backward(out, grad)
+def _gathered(zero3_params):
+    if not zero3_params:
+        return contextlib.nullcontext()
+    import deepspeed  # ZeRO-3 parameters exist only once deepspeed has been imported
+
+    return deepspeed.zero.GatheredParameters(zero3_params)
 
 
 @functools.lru_cache(maxsize=None)
