@@ -1,0 +1,137 @@
+"""The rank grid: every process group derives from one ``(dp, sp)`` mesh over the world.
+
+Ranks are laid out as ``arange(world).view(dp, sp)``: an SP group is a row (contiguous ranks, so the
+per-layer all-to-all stays inside a node), a DP group is a column (ranks that hold the same sequence
+shard of different samples). The :class:`Mesh` object is passed to whatever needs groups; nothing
+here is a module global.
+
+:class:`Mesh` doubles as the Megatron-style ``mpu`` that ``deepspeed.initialize(mpu=...)`` reads.
+DeepSpeed takes the data-parallel group from it for gradient reduction and batch arithmetic, and the
+sequence-parallel group for its SP-aware gradient averaging, so both families of getters exist.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Mesh", "build_mesh"]
+
+
+class Mesh:
+    """Process groups for a ``(dp, sp)`` grid, usable as DeepSpeed's ``mpu``.
+
+    With ``dp == sp == 1`` (or torch.distributed not initialised) every group is ``None`` and every
+    collective in the package short-circuits, so the same code runs single-process.
+    """
+
+    def __init__(self, dp: int, sp: int, timeout_seconds: float | None = None):
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if sp < 1 or dp < 1:
+            raise ValueError(
+                f"mesh sizes must be positive, got dp={dp} sp={sp}; pass mesh_param=[dp, sp] with dp, sp >= 1")
+        if dp * sp != world:
+            raise ValueError(
+                f"mesh dp={dp} x sp={sp} = {dp * sp} ranks, but the world size is {world}; "
+                f"choose dp and sp with dp * sp == {world} (e.g. mesh_param=[{max(world // sp, 1)}, {sp}] "
+                f"if sp divides {world})")
+        self.dp, self.sp, self.world_size = dp, sp, world
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.dp_rank, self.sp_rank = divmod(self.rank, sp)
+        self.sp_group = self.dp_group = None
+        self.sp_ranks = [self.rank]
+        self.dp_ranks = [self.rank]
+        if world == 1:
+            return
+        grid = torch.arange(world).view(dp, sp)  # [dp sp]
+        timeout = None if timeout_seconds is None else timedelta(seconds=timeout_seconds)
+        # every rank must create every group, in the same order
+        for row in grid.tolist():
+            group = dist.new_group(row, timeout=timeout)
+            if self.rank in row:
+                self.sp_group, self.sp_ranks = group, row
+        for col in grid.t().tolist():
+            group = dist.new_group(col, timeout=timeout)
+            if self.rank in col:
+                self.dp_group, self.dp_ranks = group, col
+
+    def __repr__(self) -> str:
+        return f"Mesh(dp={self.dp}, sp={self.sp}, rank={self.rank}, sp_rank={self.sp_rank})"
+
+    # -- the mpu interface DeepSpeed reads ------------------------------------------------------
+    def get_sequence_parallel_group(self):
+        return self.sp_group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.sp
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.sp_rank
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_sequence_data_parallel_group(self):
+        return dist.group.WORLD if self.world_size > 1 else None
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.world_size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_group(self):
+        return None
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_tensor_model_parallel_group(self):
+        return None
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_pipeline_model_parallel_group(self):
+        return None
+
+
+def build_mesh(sequence_parallel_size: int | None = None, mesh_param=None,
+               timeout_seconds: float | None = None) -> Mesh:
+    """Mesh from ``mesh_param=(dp, sp)`` or from ``sequence_parallel_size`` with dp inferred."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if mesh_param is not None:
+        if len(mesh_param) != 2:
+            raise ValueError(f"mesh_param must be [dp, sp], got {list(mesh_param)}; e.g. mesh_param=[1, {world}]")
+        dp, sp = (int(x) for x in mesh_param)
+        if sequence_parallel_size is not None and sequence_parallel_size != sp:
+            raise ValueError(
+                f"mesh_param sp={sp} disagrees with sequence_parallel_size={sequence_parallel_size}; "
+                "give one of them, or make them equal")
+        return Mesh(dp, sp, timeout_seconds)
+    sp = 1 if sequence_parallel_size is None else int(sequence_parallel_size)
+    if sp < 1 or world % sp:
+        raise ValueError(
+            f"sequence_parallel_size={sp} must divide the world size {world} (dp = world / sp); "
+            f"choose a divisor of {world}, or pass mesh_param=[dp, sp]")
+    return Mesh(world // sp, sp, timeout_seconds)

@@ -1,0 +1,84 @@
+"""Per-document attention for packed samples, from global position_ids, without an S x S mask.
+
+Dimension legend::
+
+    bs  batch   sl  global sequence length   hc_l  local heads   hs  head size
+    n   documents in a bucket                L     longest document in a bucket
+
+A packed sample concatenates documents; its position_ids restart at every document. Attending
+causally over the whole row lets tokens see the previous documents (the bug DeepSpeed's module and
+Accelerate show under sdpa). Here each document is attended alone: documents are grouped into
+buckets of similar length (within a factor of two), each bucket runs as one batched core-attention
+call on ``[n hc_l L hs]``, so the work is ``sum(len_i * L_bucket) <= 2 * sum(len_i^2)`` scores
+instead of ``sl^2``, and the only mask ever built is ``[n 1 L L]`` for a bucket whose documents
+differ in length (or that needs a sliding window).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DocSpans", "find_documents", "packed_attention"]
+
+
+@dataclass(frozen=True)
+class DocSpans:
+    """Documents of a batch: ``(row, start, length)`` each, plus whether any row holds more than one."""
+
+    spans: tuple[tuple[int, int, int], ...]
+    packed: bool
+
+
+def find_documents(position_ids: torch.Tensor) -> DocSpans:
+    """A document starts where the position does not continue the previous one by +1."""
+    # [bs sl]
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    sl = position_ids.shape[1]
+    spans, packed = [], False
+    for row, row_starts in enumerate(starts.cpu()):
+        idx = row_starts.nonzero().flatten().tolist() + [sl]
+        packed |= len(idx) > 2
+        spans.extend((row, a, b - a) for a, b in zip(idx[:-1], idx[1:]))
+    return DocSpans(tuple(spans), packed)
+
+
+def _buckets(spans):
+    by_class: dict[int, list] = {}
+    for span in spans:
+        by_class.setdefault((span[2] - 1).bit_length(), []).append(span)
+    return [by_class[k] for k in sorted(by_class)]
+
+
+def packed_attention(core, module, query, key, value, docs: DocSpans, sliding_window=None, **kwargs):
+    """Run ``core`` once per length bucket; returns ``[bs sl hc_l hs]`` like the core does."""
+    bs, hq, sl, hs = query.shape
+    device = query.device
+    # [bs hc sl hs] -> [bs*sl hc hs]: one token per row, so a bucket is an index gather
+    q_flat, k_flat, v_flat = (x.transpose(1, 2).reshape(bs * sl, x.shape[1], hs) for x in (query, key, value))
+    outs, rows = [], []
+    for bucket in _buckets(docs.spans):
+        length = max(s[2] for s in bucket)
+        offsets = torch.arange(length, device=device)
+        starts = torch.tensor([r * sl + a for r, a, _ in bucket], device=device)
+        lens = torch.tensor([n for _, _, n in bucket], device=device)
+        valid = offsets[None, :] < lens[:, None]                          # [n L]
+        index = torch.where(valid, starts[:, None] + offsets[None, :], starts[:, None])
+        q_b, k_b, v_b = (x[index].transpose(1, 2) for x in (q_flat, k_flat, v_flat))  # [n hc L hs]
+        mask = None
+        uneven = bool((lens != length).any())
+        windowed = sliding_window is not None and length > sliding_window
+        if uneven or windowed:
+            causal = offsets[:, None] >= offsets[None, :]                  # [L L]
+            mask = causal[None] & valid[:, None, :]                         # [n L L]
+            if windowed:
+                mask = mask & (offsets[:, None] - offsets[None, :] < sliding_window)[None]
+            mask = mask[:, None]                                            # [n 1 L L]
+        positions = offsets.expand(len(bucket), length)
+        out, _ = core(module, q_b, k_b, v_b, mask, position_ids=positions, **kwargs)  # [n L hc hs]
+        outs.append(out[valid])                                             # [tokens hc hs]
+        rows.append(index[valid])
+    order = torch.cat(rows).argsort()
+    return torch.cat(outs)[order].view(bs, sl, hq, hs), None

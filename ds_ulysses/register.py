@@ -1,0 +1,129 @@
+"""Hooking the SP attention into Transformers, per model or (DeepSpeed-compatible) by name.
+
+Per model (the default when a model object is given): the wrapper is registered in Transformers'
+``AttentionInterface`` and ``AttentionMaskInterface`` under a fresh name that only this model's
+config selects, so other models in the process keep their attention. The model gets its own copy of
+its config first: models built from one config object share it, and the attention name lives there.
+
+By name or path (DeepSpeed's contract: models created afterwards pick it up): the core
+implementation's entry in Transformers' global tables is replaced. That is the only global this
+package changes; :func:`unregister_from_transformers` puts the originals back.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+from .attention import UlyssesSPAttentionHF, check_core_attention
+from .mesh import Mesh, build_mesh
+
+__all__ = ["register_with_transformers", "unregister_from_transformers"]
+
+_names = itertools.count(1)
+_global_originals: dict[str, tuple] = {}  # core name -> (attention fn, mask fn) before the override
+
+
+def _tables():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    return AttentionInterface, AttentionMaskInterface, ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS
+
+
+def _own_config(model):
+    """Give ``model`` (and only it) a private copy of its config and sub-configs."""
+    from transformers import PretrainedConfig
+
+    old = model.config
+    new = copy.deepcopy(old)
+    swap = {id(old): new}
+    for name, value in vars(old).items():
+        if isinstance(value, PretrainedConfig):
+            swap[id(value)] = getattr(new, name)
+    for module in model.modules():
+        held = module.__dict__.get("config")
+        if held is not None and id(held) in swap:
+            module.config = swap[id(held)]
+    return model.config
+
+
+def register_with_transformers(model_name_or_path, core_attn_implementation, sequence_parallel_size,
+                               micro_batch_size, seq_length=None, seq_length_is_variable=True,
+                               disable_in_eval=False, mesh: Mesh | None = None):
+    """Make the model (or models created later, for a name/path) run Ulysses SP attention.
+
+    Returns the ``mpu`` for ``deepspeed.initialize(mpu=...)``, or None when sequence_parallel_size
+    is 1. ``mesh`` reuses an existing :class:`~ds_ulysses.mesh.Mesh` instead of building one.
+    """
+    if sequence_parallel_size == 1:
+        return None
+    check_core_attention(core_attn_implementation)
+    if not seq_length_is_variable and seq_length is None:
+        raise ValueError(
+            "seq_length_is_variable=False needs seq_length (the fixed global sequence length); "
+            "pass seq_length=S or leave seq_length_is_variable=True")
+    if mesh is None:
+        mesh = build_mesh(sequence_parallel_size)
+    elif mesh.sp != sequence_parallel_size:
+        raise ValueError(f"mesh has sp={mesh.sp} but sequence_parallel_size={sequence_parallel_size}; make them equal")
+    _, _, attn_table, mask_table = _tables()
+    is_model = hasattr(model_name_or_path, "config")
+    if is_model:
+        config = model_name_or_path.config
+    else:
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(model_name_or_path)
+    text = config.get_text_config()
+    core_fn = _global_originals.get(core_attn_implementation, (attn_table[core_attn_implementation],))[0]
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    local = None if seq_length is None else seq_length // sequence_parallel_size
+    uattn = UlyssesSPAttentionHF(
+        core_fn, micro_batch_size, text.num_attention_heads, head_dim,
+        getattr(text, "num_key_value_heads", None) or text.num_attention_heads, text.num_hidden_layers,
+        mesh.sp_group, seq_length_is_variable, local, seq_length, disable_in_eval, core_attn_implementation)
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        return uattn(module, query, key, value, attention_mask, *args, **kwargs)
+
+    if is_model:
+        _register_on_model(model_name_or_path, uattn, attention, disable_in_eval)
+    else:
+        _register_globally(core_attn_implementation, attention)
+    return mesh
+
+
+def _register_on_model(model, uattn, attention, disable_in_eval):
+    attn_iface, mask_iface, _, mask_table = _tables()
+    core = uattn.core_attn_implementation
+    original_mask = mask_table[core]
+    name = f"ulysses{next(_names)}_{core}"
+
+    def mask(*args, **kwargs):
+        # under SP the mask is rebuilt from global positions; a local one would be wrong and O(sl_l^2)
+        if disable_in_eval and not model.training:
+            return original_mask(*args, **kwargs)
+        return None
+
+    attn_iface.register(name, attention)
+    mask_iface.register(name, mask)
+    _own_config(model).get_text_config()._attn_implementation = name
+    model.__dict__["ulysses_attention"] = uattn  # not a submodule: no params, kept out of module walks
+
+
+def _register_globally(core, attention):
+    _, _, attn_table, mask_table = _tables()
+    if core not in _global_originals:
+        _global_originals[core] = (attn_table[core], mask_table[core])
+    attn_table[core] = attention
+    mask_table[core] = lambda *args, **kwargs: None
+
+
+def unregister_from_transformers() -> None:
+    """Undo every name/path registration: Transformers' global tables get their originals back."""
+    _, _, attn_table, mask_table = _tables()
+    for core, (attn_fn, mask_fn) in _global_originals.items():
+        attn_table[core] = attn_fn
+        mask_table[core] = mask_fn
+    _global_originals.clear()

@@ -1,0 +1,81 @@
+"""Rank functions shared by the SP equivalence tests: SP training vs the unsharded model."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ds_ulysses import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+from ds_ulysses.loss import enable_sp_loss
+
+from .models import VOCAB, rel_err, tiny_config, tiny_model
+
+
+def make_sample(seed: int, length: int, bs: int = 1, docs: list[int] | None = None,
+                mask_crossing: bool = True) -> dict:
+    """input_ids/labels/position_ids; with ``docs`` the sample packs documents of those lengths.
+
+    ``mask_crossing`` sets the label of each document's first token to -100, so no token is trained
+    to predict the next document (what a packing collator does).
+    """
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (bs, length), generator=g)
+    labels = ids.clone()
+    if docs is None:
+        pos = torch.arange(length).expand(bs, length).clone()
+    else:
+        if sum(docs) != length:
+            raise ValueError(f"docs {docs} do not add up to {length}")
+        pos = torch.cat([torch.arange(n) for n in docs]).expand(bs, length).clone()
+        starts = torch.tensor(docs).cumsum(0)[:-1]
+        if mask_crossing:
+            labels[:, starts] = -100
+    return {"input_ids": ids, "labels": labels, "position_ids": pos}
+
+
+def reference_loss(model, sample: dict) -> torch.Tensor:
+    """Token-mean loss of the row's labels, with every document of every row run alone."""
+    ids, labels, pos = sample["input_ids"], sample["labels"], sample["position_ids"]
+    rows = []
+    for row in range(ids.shape[0]):
+        starts = [0] + [i for i in range(1, ids.shape[1]) if pos[row, i] != pos[row, i - 1] + 1] + [ids.shape[1]]
+        rows.append(torch.cat([model(input_ids=ids[row:row + 1, a:b], position_ids=pos[row:row + 1, a:b]).logits[0]
+                               for a, b in zip(starts[:-1], starts[1:])]))
+    logits = torch.stack(rows)                                               # [bs sl V]
+    target = F.pad(labels[:, 1:], (0, 1), value=-100)                        # [bs sl]
+    total = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+    return total / (target != -100).sum().clamp(min=1)
+
+
+def sp_vs_reference(rank: int, world_size: int, case: dict) -> dict:
+    """Train one step per SP micro-batch; compare loss and SP-summed grads to the unsharded model."""
+    cfg = tiny_config(case.get("family", "llama"), case.get("heads", 4), case.get("kv_heads"),
+                      layers=case.get("layers", 2), attn=case.get("attn", "sdpa"), **case.get("extra", {}))
+    base = tiny_model(cfg)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    bs = case.get("bs", 1)
+    lens = case.get("lens", [case.get("length", 16)] * world_size)
+    samples = [make_sample(100 + k, lens[k], bs, case.get("docs"), case.get("mask_crossing", True))
+               for k in range(world_size)]
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, case.get("attn", "sdpa"), world_size, bs)
+    enable_sp_loss(model, mpu.get_sequence_parallel_group())
+    loader = UlyssesSPDataLoaderAdapter([samples[rank]], mpu.get_sequence_parallel_rank(),
+                                        mpu.get_sequence_parallel_group(), world_size, "cpu")
+    loss_errs, grad_errs = [], []
+    for k, micro in enumerate(loader):
+        loss = model(**micro).loss
+        loss.backward()
+        ref.zero_grad()
+        ref_loss = reference_loss(ref, samples[k])
+        ref_loss.backward()
+        loss_errs.append(rel_err(loss.detach(), ref_loss.detach()))
+        floor = 1e-6 * torch.stack([q.grad.norm() for q in ref.parameters()]).norm().item()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            g = p.grad.clone()
+            dist.all_reduce(g, group=mpu.get_sequence_parallel_group())
+            grad_errs.append((rel_err(g, q.grad, floor), name))
+        model.zero_grad()
+    return {"loss": max(loss_errs), "grad": max(grad_errs), "steps": len(loss_errs)}
