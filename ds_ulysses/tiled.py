@@ -12,6 +12,10 @@ each gradient once, after the last tile has accumulated into `param.grad`. The s
 ZeRO-1/2 skip the early tiles. Without DeepSpeed both are no-ops. Under ZeRO-3 every rank must run the
 same number of tiles (parameter gathers are collective): resolve `shards` with `agree_on_shards`.
 
+Parameter gradients reach `param.grad` from the per-tile recomputes, not through the returned graph
+(that is what lets ZeRO see each tile), so train with `loss.backward()` / `engine.backward(loss)`;
+`torch.autograd.grad(loss, params)` does not see them.
+
 Dimensions: bs batch, sl sequence, sl_t one tile of the sequence, h hidden, v vocab,
 n = bs*sl flattened tokens, n_t one tile of them.
 """
@@ -417,26 +421,21 @@ def _gathered(zero3_params):
 
 @functools.lru_cache(maxsize=None)
 def _input_names(forward):
-    params = list(inspect.signature(forward).parameters.values())[1:]  # drop ctx
+    """forward's input names after ctx, without its `*args`."""
+    params = list(inspect.signature(forward).parameters.values())[1:]
     return tuple(p.name for p in params if p.kind is not inspect.Parameter.VAR_POSITIONAL)
 
 
 def _one_grad_per_input(forward, varargs=(), **grads):
     """backward's return value, built from `forward`'s own signature: one entry per named input
     (the gradient given by name, else None), then one per `*args` input."""
-    names = _input_names(forward)
-    unknown = set(grads) - set(names)
-    if unknown:
-        raise ValueError(f"gradients given for {sorted(unknown)}, which are not inputs of {forward.__qualname__} "
-                         f"{names}; name an input of forward")
-    return tuple(grads.get(name) for name in names) + tuple(varargs)
+    if not set(grads) <= set(_input_names(forward)):
+        raise ValueError(f"gradients given for {sorted(grads)}, but {forward.__qualname__} takes "
+                         f"{_input_names(forward)}; name inputs of forward")
+    return tuple(grads.get(name) for name in _input_names(forward)) + tuple(varargs)
 
 
 def _positive_int(value, name):
-    try:
-        number = operator.index(value)
-    except TypeError:
-        number = None
-    if number is None or isinstance(value, bool) or number < 1:
+    if isinstance(value, bool) or not hasattr(value, "__index__") or operator.index(value) < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}; pass e.g. {name}=4")
-    return number
+    return operator.index(value)
