@@ -407,29 +407,34 @@ def test_tile_mlps_on_llama_equals_untiled(bs, shards):
 
 
 class TinyLM(nn.Module):
-    """in-proj -> residual gated MLP -> lm_head + loss; tiled or plain."""
+    """in-proj -> residual MLP (tiled by tile_mlps) -> residual MLP (explicit TiledMLP) -> lm_head + loss."""
 
     def __init__(self, h=16, inter=24, v=20, tiled=True):
         super().__init__()
         self.inp = nn.Linear(h, h)
         self.mlp = GatedMLP(h, inter)
+        self.ffn = GatedMLP(h, inter)
         self.head = nn.Linear(h, v, bias=False)
         self.tiled = tiled
 
     def forward(self, x, y):
         hidden = self.inp(x)
+        hidden = hidden + self.mlp(hidden)  # [bs, sl, h]
         if not self.tiled:
-            hidden = hidden + self.mlp(hidden)
+            hidden = hidden + self.ffn(hidden)
             return F.cross_entropy(self.head(hidden).reshape(-1, self.head.out_features), y.reshape(-1))
-        hidden = hidden + TiledMLP.apply(mlp_fn, self.mlp, hidden, 3, None)
+        hidden = hidden + TiledMLP.apply(mlp_fn, self.ffn, hidden, 3, None)
         return TiledFusedLogitsLoss.apply(sum_ce, self.head, hidden, y, None, 3, None, "mean")
 
 
 def zero3_batch(rank):
+    """Ranks differ in length (7 and 20 tokens: "auto" MLP shards 1 and 2, which the ranks must agree
+    on) and in valid-token counts, and a loss tile has no valid token."""
     gen = torch.Generator().manual_seed(10 + rank)
-    x = torch.randn(2, 7, 16, generator=gen)
-    y = torch.randint(0, 20, (2, 7), generator=gen)
-    y[0, : 3 + rank] = -100  # ranks differ in valid-token counts, and a tile has none
+    sl = 7 + 13 * rank
+    x = torch.randn(2, sl, 16, generator=gen)
+    y = torch.randint(0, 20, (2, sl), generator=gen)
+    y[0, : 3 + rank] = -100
     return x, y
 
 
@@ -444,20 +449,24 @@ def zero3_worker():
     model = TinyLM()
     reference = copy.deepcopy(model)
     reference.tiled = False
+    tile_mlps(model, shards="auto")
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
                                       config=config)
     partitioned = all(p.ds_tensor.numel() < p.ds_numel for p in engine.module.parameters())
+    calls = []
+    engine.module.mlp.down_proj.register_forward_hook(lambda *_: calls.append(1))
     loss = engine(*zero3_batch(rank))
+    mlp_tiles = len(calls)
     engine.backward(loss)
     got = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
 
     want_losses = [reference(*zero3_batch(r)) for r in range(world)]
     (sum(want_losses) / world).backward()  # ZeRO-3 averages gradients over the data-parallel ranks
     errors = {n: rel(got[n], p.grad) for n, p in reference.named_parameters()}
-    result = {"rank": rank, "partitioned": partitioned, "errors": errors,
+    result = {"rank": rank, "partitioned": partitioned, "errors": errors, "mlp_tiles": mlp_tiles,
               "loss_error": rel(loss.detach(), want_losses[rank].detach())}
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -495,6 +504,7 @@ def test_zero3_two_ranks_match_untiled():
     for result in results:
         assert result["partitioned"], "parameters were not partitioned: the ZeRO-3 path was not exercised"
         assert result["loss_error"] <= TOL
+        assert result["mlp_tiles"] == 2, "ranks did not agree on the 'auto' tile count"
         assert set(result["errors"]) == {n for n, _ in TinyLM().named_parameters()}
         bad = {n: e for n, e in result["errors"].items() if e > 1e-4}
         assert not bad, f"rank {result['rank']}: gradients differ from untiled torch: {bad}"
