@@ -189,7 +189,8 @@ class TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, module, x, shards, compute_params, *anchor):
         if x.dim() < 2:
-            raise ValueError(f"TiledMLP: x must be [bs, sl, h] or [sl, h], got shape {tuple(x.shape)}")
+            raise ValueError(f"TiledMLP: x must be [bs, sl, h] or [sl, h], got shape {tuple(x.shape)}; pass the "
+                             "hidden states with their sequence dim")
         if shards == "auto":
             shards = agree_on_shards(auto_mlp_shards(max(1, x.shape[-2]), x.shape[-1]))
         ctx.fn, ctx.module, ctx.bounds = fn, module, _tile_bounds(x.shape[-2], _positive_int(shards, "shards"))

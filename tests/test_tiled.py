@@ -99,6 +99,13 @@ def test_tiled_mlp_matches_untiled(bs, sl, shards):
     assert_close(got, want, "grad")
 
 
+@pytest.mark.parametrize("sl,shards", SPLITS + [(7, 4)])
+def test_tile_sizes_follow_tensor_split(sl, shards):
+    seen = []
+    TiledMLP.apply(lambda m, t: seen.append(t.shape[-2]) or t, None, torch.randn(2, sl, 3), shards, [])
+    assert seen == [len(t) for t in torch.tensor_split(torch.arange(sl), shards)]
+
+
 def test_tiled_mlp_2d_input_and_stacked_mlps():
     torch.manual_seed(0)
     first, second = GatedMLP(), GatedMLP()
@@ -133,6 +140,8 @@ def test_tiled_mlp_auto_shards_and_bad_shards():
     assert rel(y, mlp(x)) <= TOL
     with pytest.raises(ValueError, match="shards must be a positive int, got 0"):
         TiledMLP.apply(mlp_fn, mlp, x, 0, None)
+    with pytest.raises(ValueError, match=r"x must be \[bs, sl, h\] or \[sl, h\], got shape \(4,\)"):
+        TiledMLP.apply(mlp_fn, mlp, torch.randn(4), 2, None)
     with pytest.raises(ValueError, match="fn must map"):
         TiledMLP.apply(lambda m, t: (m(t), None), mlp, x, 2, None)
 
@@ -214,6 +223,23 @@ def test_fused_logits_loss_scales_every_grad_by_grad_output():
     for h, f in zip(half, full):
         assert torch.equal(h * 2, f)  # scaling by a power of two is exact
     assert_close(half, want, "half grad")
+
+
+def test_fused_logits_loss_holds_one_tile_of_logits_and_recomputes_in_backward():
+    head = nn.Linear(16, 11)
+    x = torch.randn(2, 7, 16, requires_grad=True)
+    y = torch.randint(0, 11, (2, 7))
+    rows = []
+
+    def recording_ce(head, x_t, y_t):
+        logits = head(x_t)  # [n_t, v]
+        rows.append((logits.shape[0], torch.is_grad_enabled()))
+        return F.cross_entropy(logits, y_t, reduction="sum")
+
+    loss = TiledFusedLogitsLoss.apply(recording_ce, head, x, y, None, 4, None, "mean")
+    assert rows == [(4, False), (4, False), (3, False), (3, False)]  # 14 tokens, no graph kept in forward
+    loss.backward()
+    assert rows[4:] == [(4, True), (4, True), (3, True), (3, True)]  # each tile recomputed with grad
 
 
 def test_fused_logits_loss_errors():
