@@ -87,6 +87,24 @@ def test_offload_equals_plain_model_and_moves_each_layer_input(bs, moves):
     assert unpacked.count(hidden) == LAYERS  # ...and came back for its recompute
 
 
+def test_offload_composes_with_tiled_mlps(moves):
+    from ds_ulysses.tiled import tile_mlps
+
+    packed, _ = moves
+    model = tiny_llama()
+    ids, labels = batch(2, sl=150)  # "auto": 3 MLP tiles, recomputed inside each layer's recompute
+    want_loss, want = loss_and_grads(model, ids, labels)
+
+    enable_activation_checkpoint_offload(model)
+    assert tile_mlps(model, shards="auto") == LAYERS
+    got_loss, got = loss_and_grads(model, ids, labels)
+
+    assert rel(got_loss, want_loss) <= TOL
+    bad = {n: rel(got[n], want[n]) for n in want if rel(got[n], want[n]) > TOL}
+    assert not bad, bad
+    assert packed.count((2, 150, HIDDEN)) == LAYERS
+
+
 def test_enable_and_disable_are_idempotent_and_restore_state():
     model = tiny_llama()
     layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
