@@ -6,15 +6,17 @@ the loss. Running it tile by tile under `torch.no_grad()` in forward and recompu
 in backward bounds those intermediates to one tile (ALST paper, "Sequence Tiling"), for the price of
 one extra forward of the tiled op. Only the input gradient buffer is preallocated at full size.
 
-Under DeepSpeed ZeRO-3 the parameters used by a tile are gathered once for the whole backward, and
-`ds_grad_is_ready` is False for every tile but the last, so ZeRO's per-parameter gradient hook reduces
-each gradient once, after the last tile has accumulated into `param.grad`. The same flag makes
-ZeRO-1/2 skip the early tiles. Without DeepSpeed both are no-ops. Under ZeRO-3 every rank must run the
-same number of tiles (parameter gathers are collective): resolve `shards` with `agree_on_shards`.
+Under DeepSpeed ZeRO-3 the parameters used by the tiles are gathered once for the whole backward.
+While the tiles run, `ds_grad_is_ready` is False, so ZeRO's per-parameter gradient hook (ZeRO-1/2/3)
+lets `param.grad` accumulate every tile; the parameters are inputs of the autograd Function, so their
+own AccumulateGrad runs once afterwards in the outer backward and fires the hook once, after all uses
+of the parameter (a tied lm_head/embedding weight included). Without DeepSpeed both are no-ops. Under
+ZeRO-3 every rank must run the same number of tiles (parameter gathers are collective): resolve
+`shards` with `agree_on_shards`.
 
-Parameter gradients reach `param.grad` from the per-tile recomputes, not through the returned graph
-(that is what lets ZeRO see each tile), so train with `loss.backward()` / `engine.backward(loss)`;
-`torch.autograd.grad(loss, params)` does not see them.
+Parameter gradients reach `param.grad` from the per-tile recomputes, not through the returned graph,
+so train with `loss.backward()` / `engine.backward(loss)`; `torch.autograd.grad(loss, params)` does
+not see them.
 
 Dimensions: bs batch, sl sequence, sl_t one tile of the sequence, h hidden, v vocab,
 n = bs*sl flattened tokens, n_t one tile of them.
@@ -85,18 +87,16 @@ class SequenceTiledCompute(torch.autograd.Function):
     @classmethod
     def apply(cls, fn, seqlen, shards, keys_to_shard, keys_to_pass, grad_requiring_tensor_key, compute_params,
               output_unshard_dimension, output_reduction, *args):
-        keys = list(keys_to_shard) + list(keys_to_pass)
-        source = args[keys.index(grad_requiring_tensor_key)] if grad_requiring_tensor_key in keys else None
-        anchor = _grad_anchor(source, _trainable_params(compute_params, _owners(fn, args[len(keys_to_shard):])))
-        return super().apply(fn, seqlen, shards, keys_to_shard, keys_to_pass, grad_requiring_tensor_key,
-                             compute_params, output_unshard_dimension, output_reduction, *args, *anchor)
+        params = _trainable_params(compute_params, [fn, *args[len(keys_to_shard):]])
+        with _gathered(params):
+            return super().apply(fn, seqlen, shards, keys_to_shard, keys_to_pass, grad_requiring_tensor_key,
+                                 compute_params, output_unshard_dimension, output_reduction, *args, *params)
 
     @staticmethod
     def forward(ctx, fn, seqlen, shards, keys_to_shard, keys_to_pass, grad_requiring_tensor_key,
-                compute_params, output_unshard_dimension, output_reduction, *args_then_anchor):
+                compute_params, output_unshard_dimension, output_reduction, *args_then_params):
         keys = list(keys_to_shard) + list(keys_to_pass)
-        args, ctx.anchor = args_then_anchor[:len(keys)], args_then_anchor[len(keys):]
-        ctx.params = _trainable_params(compute_params, _owners(fn, args[len(keys_to_shard):]))
+        args, ctx.params = args_then_params[:len(keys)], args_then_params[len(keys):]
         if grad_requiring_tensor_key not in keys_to_shard:
             raise ValueError(f"sequence_tiled_compute: grad_requiring_tensor_key must name a tensor in "
                              f"kwargs_to_shard {list(keys_to_shard)}, got {grad_requiring_tensor_key!r}; "
@@ -148,7 +148,7 @@ class SequenceTiledCompute(torch.autograd.Function):
 
         input_grad = _recompute_tiles(ctx.params, ctx.bounds, args[grad_at], 1, needs_grad, recompute)
         arg_grads = [input_grad if key == ctx.grad_key else None for key in ctx.keys]
-        return _one_grad_per_input(SequenceTiledCompute.forward, varargs=arg_grads + [None for _ in ctx.anchor])
+        return _one_grad_per_input(SequenceTiledCompute.forward, varargs=arg_grads + _param_grads(ctx))
 
 
 def _tile_kwargs(keys, args, n_shard, start, stop):
@@ -163,10 +163,11 @@ def sequence_tiled_compute(fn, seqlen, shards, kwargs_to_shard, kwargs_to_pass, 
 
     `kwargs_to_shard` values are `[bs, seqlen, ...]` tensors split on dim 1 with `torch.tensor_split`
     sizes (unequal when seqlen % shards != 0; empty tiles when shards > seqlen, so `fn` must accept a
-    zero-length tile). `compute_params=None` means every trainable parameter of `fn` if it is a module,
-    of its bound module, and of modules in `kwargs_to_pass`; pass them explicitly otherwise (only ZeRO
-    needs them; plain torch accumulates gradients either way). With 0-dim tile outputs "mean" averages
-    the tile values with equal weight; for a token-mean loss use `TiledFusedLogitsLoss`.
+    zero-length tile). `compute_params=None` means every trainable parameter of `fn` if it is a module
+    and of the modules in `kwargs_to_pass`; otherwise list the parameters `fn` uses, and only those:
+    they become inputs of the Function, which is how ZeRO reduces each gradient once (plain torch also
+    accumulates unlisted ones while the sharded input requires grad). With 0-dim tile outputs "mean"
+    averages the tile values with equal weight; for a token-mean loss use `TiledFusedLogitsLoss`.
     """
     return SequenceTiledCompute.apply(fn, seqlen, shards, list(kwargs_to_shard), list(kwargs_to_pass),
                                       grad_requiring_tensor_key, compute_params, output_unshard_dimension,
@@ -183,18 +184,19 @@ class TiledMLP(torch.autograd.Function):
 
     @classmethod
     def apply(cls, fn, module, x, shards, compute_params):
-        anchor = _grad_anchor(x, _trainable_params(compute_params, [module]))
-        return super().apply(fn, module, x, shards, compute_params, *anchor)
+        params = _trainable_params(compute_params, [module])
+        with _gathered(params):
+            return super().apply(fn, module, x, shards, compute_params, *params)
 
     @staticmethod
-    def forward(ctx, fn, module, x, shards, compute_params, *anchor):
+    def forward(ctx, fn, module, x, shards, compute_params, *params):
         if x.dim() < 2:
             raise ValueError(f"TiledMLP: x must be [bs, sl, h] or [sl, h], got shape {tuple(x.shape)}; pass the "
                              "hidden states with their sequence dim")
         if shards == "auto":
             shards = agree_on_shards(auto_mlp_shards(max(1, x.shape[-2]), x.shape[-1]))
         ctx.fn, ctx.module, ctx.bounds = fn, module, _tile_bounds(x.shape[-2], _positive_int(shards, "shards"))
-        ctx.params, ctx.anchor = _trainable_params(compute_params, [module]), anchor
+        ctx.params = params
         ctx.save_for_backward(x)
         out = None
         with torch.no_grad():
@@ -218,7 +220,7 @@ class TiledMLP(torch.autograd.Function):
             return ctx.fn(ctx.module, tile), grad_out[..., start:stop, :]
 
         x_grad = _recompute_tiles(ctx.params, ctx.bounds, x, -2, ctx.needs_input_grad[2], recompute)
-        return _one_grad_per_input(TiledMLP.forward, x=x_grad, varargs=[None for _ in ctx.anchor])
+        return _one_grad_per_input(TiledMLP.forward, x=x_grad, varargs=_param_grads(ctx))
 
 
 class TiledFusedLogitsLoss(torch.autograd.Function):
@@ -240,11 +242,12 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
 
     @classmethod
     def apply(cls, fn, module, x, y, mask, shards, compute_params, output_reduction):
-        anchor = _grad_anchor(x, _trainable_params(compute_params, [module]))
-        return super().apply(fn, module, x, y, mask, shards, compute_params, output_reduction, *anchor)
+        params = _trainable_params(compute_params, [module])
+        with _gathered(params):
+            return super().apply(fn, module, x, y, mask, shards, compute_params, output_reduction, *params)
 
     @staticmethod
-    def forward(ctx, fn, module, x, y, mask, shards, compute_params, output_reduction, *anchor):
+    def forward(ctx, fn, module, x, y, mask, shards, compute_params, output_reduction, *params):
         if output_reduction not in ("mean", "sum"):
             raise ValueError(f"TiledFusedLogitsLoss: output_reduction must be 'mean' or 'sum', got "
                              f"{output_reduction!r}")
@@ -260,7 +263,7 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
             shards = agree_on_shards(auto_loss_shards(max(1, y_flat.numel()), _vocab_size(module)))
         ctx.fn, ctx.module, ctx.reduction = fn, module, output_reduction
         ctx.bounds = _tile_bounds(y_flat.numel(), _positive_int(shards, "shards"))
-        ctx.params, ctx.anchor = _trainable_params(compute_params, [module]), anchor
+        ctx.params = params
         ctx.x_shape = x.shape
         ctx.save_for_backward(x_flat, y_flat, *([] if mask is None else [mask_flat]))
 
@@ -291,7 +294,7 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         x_grad = _recompute_tiles(ctx.params, ctx.bounds, x, 0, ctx.needs_input_grad[2], recompute)
         if x_grad is not None:
             x_grad = x_grad.view(ctx.x_shape)  # [n, h] -> [bs, sl, h]
-        return _one_grad_per_input(TiledFusedLogitsLoss.forward, x=x_grad, varargs=[None for _ in ctx.anchor])
+        return _one_grad_per_input(TiledFusedLogitsLoss.forward, x=x_grad, varargs=_param_grads(ctx))
 
 
 def tile_mlps(model, shards="auto"):
@@ -362,21 +365,10 @@ def _trainable_params(compute_params, owners):
     return list(unique.values())
 
 
-def _owners(fn, passed):
-    """Where compute_params=None looks for parameters: fn itself, its bound object, passed values."""
-    return [fn, getattr(fn, "__self__", None), *passed]
-
-
-def _grad_anchor(source, params):
-    """A zero-size leaf input that makes the Function's output require grad when only parameters do.
-
-    Parameters are deliberately not Function inputs: their gradients come from the per-tile
-    recomputes, and an outer AccumulateGrad would fire ZeRO's per-parameter hook once more. Without
-    the anchor a frozen input (e.g. a linear probe on the lm_head) would leave them without gradient.
-    """
-    if torch.is_grad_enabled() and params and torch.is_tensor(source) and not source.requires_grad:
-        return (torch.empty(0, device=source.device, requires_grad=True),)
-    return ()
+def _param_grads(ctx):
+    """None for every parameter input: the recompute has already accumulated into `param.grad`, and
+    the parameter's own AccumulateGrad still runs once in the outer backward, firing ZeRO's hook."""
+    return [None for _ in ctx.params]
 
 
 def _recompute_tiles(params, bounds, source, dim, needs_grad, recompute):
@@ -384,18 +376,20 @@ def _recompute_tiles(params, bounds, source, dim, needs_grad, recompute):
     `(out, out_grad) = recompute(i, start, stop, tile)` with grad enabled, backpropagate it, and copy
     the tile's input gradient into one preallocated buffer (returned; None if not `needs_grad`).
 
-    ZeRO-3 `params` are gathered once for all tiles, and `ds_grad_is_ready` is False until the last
-    tile so ZeRO reduces each gradient once, after `param.grad` has accumulated every tile; the
-    flags are restored afterwards.
+    ZeRO-3 `params` are gathered once for all tiles, and `ds_grad_is_ready` is False during the tiles
+    so ZeRO's per-parameter hook lets `param.grad` accumulate them. The flags are restored before the
+    Function returns; the hook then fires once, from the parameter's AccumulateGrad in the outer
+    backward (the parameters are Function inputs), after every use of the parameter, so a weight
+    also used outside the tiles (an lm_head tied to the embedding) is reduced once, in full.
     """
     source = source.detach()
     source_grad = torch.zeros_like(source) if needs_grad else None
     before = [(p, p.__dict__.get("ds_grad_is_ready", _MISSING)) for p in params]
     try:
-        with _gathered([p for p in params if hasattr(p, "ds_id")]):
+        for p in params:
+            p.ds_grad_is_ready = False
+        with _gathered(params):
             for i, (start, stop) in enumerate(bounds):
-                for p in params:
-                    p.ds_grad_is_ready = i == len(bounds) - 1
                 tile = source.narrow(dim, start, stop - start).contiguous().requires_grad_(needs_grad)
                 with torch.enable_grad():
                     out, out_grad = recompute(i, start, stop, tile)
@@ -412,12 +406,15 @@ def _recompute_tiles(params, bounds, source, dim, needs_grad, recompute):
     return source_grad
 
 
-def _gathered(zero3_params):
-    if not zero3_params:
+def _gathered(params):
+    """Gather the ZeRO-3 partitioned `params` for a whole pass over the tiles (once, not per tile).
+    In forward this also makes the parameters' autograd edges record their full shapes."""
+    zero3 = [p for p in params if hasattr(p, "ds_id")]
+    if not zero3:
         return contextlib.nullcontext()
     import deepspeed  # ZeRO-3 parameters exist only once deepspeed has been imported
 
-    return deepspeed.zero.GatheredParameters(zero3_params)
+    return deepspeed.zero.GatheredParameters(zero3)
 
 
 @functools.lru_cache(maxsize=None)

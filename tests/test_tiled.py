@@ -298,8 +298,9 @@ def test_lora_params_found_and_held_back_until_last_tile(use):
     assert_close([x.grad, *(p.grad for p in trainable)], want, "grad")
     assert module.base.weight.grad is None
     for p in trainable:
-        assert seen[id(p)] == [False, False, True]
-        assert not hasattr(p, "ds_grad_is_ready")  # restored: the attribute was absent before
+        # held back during the 3 tiles, then one ready pass from the outer backward, flag restored (absent)
+        assert seen[id(p)] == [False, False, False, None]
+        assert not hasattr(p, "ds_grad_is_ready")
 
 
 def test_existing_grad_ready_flag_is_restored():
@@ -354,11 +355,11 @@ def test_sequence_tiled_compute_scalar_tiles_and_bound_module_params():
     assert rel(got_out, want_out) <= TOL
     assert_close(got, want, "grad")
     seen = []
-    head.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.ds_grad_is_ready))
+    head.weight.register_post_accumulate_grad_hook(lambda p: seen.append(getattr(p, "ds_grad_is_ready", None)))
     got_out = SequenceTiledCompute.apply(tile_loss, 7, 3, ["hidden", "labels"], ["module"], "hidden", None, 0,
                                          "sum", x, y, head)
     got_out.backward()
-    assert seen == [False, False, True]  # head found through kwargs_to_pass with compute_params=None
+    assert seen == [False, False, False, None]  # head found through kwargs_to_pass with compute_params=None
 
 
 def test_sequence_tiled_compute_errors():
@@ -433,19 +434,21 @@ def test_tile_mlps_on_llama_equals_untiled(bs, shards):
 
 
 class TinyLM(nn.Module):
-    """in-proj -> residual MLP (tiled by tile_mlps) -> residual MLP (explicit TiledMLP) -> lm_head + loss."""
+    """Embedding -> residual MLP (tiled by tile_mlps) -> residual MLP (explicit TiledMLP) -> lm_head + loss,
+    with the lm_head tied to the embedding, so one weight gets gradient from inside and outside tiles."""
 
     def __init__(self, h=16, inter=24, v=20, tiled=True):
         super().__init__()
-        self.inp = nn.Linear(h, h)
+        self.embed = nn.Embedding(v, h)
         self.mlp = GatedMLP(h, inter)
         self.ffn = GatedMLP(h, inter)
         self.head = nn.Linear(h, v, bias=False)
+        self.head.weight = self.embed.weight
         self.tiled = tiled
 
-    def forward(self, x, y):
-        hidden = self.inp(x)
-        hidden = hidden + self.mlp(hidden)  # [bs, sl, h]
+    def forward(self, ids, y):
+        hidden = self.embed(ids)  # [bs, sl, h]
+        hidden = hidden + self.mlp(hidden)
         if not self.tiled:
             hidden = hidden + self.ffn(hidden)
             return F.cross_entropy(self.head(hidden).reshape(-1, self.head.out_features), y.reshape(-1))
@@ -453,19 +456,20 @@ class TinyLM(nn.Module):
         return TiledFusedLogitsLoss.apply(sum_ce, self.head, hidden, y, None, 3, None, "mean")
 
 
-def zero_batch(rank):
+def zero_batch(rank, step):
     """Ranks differ in length (7 and 20 tokens: "auto" MLP shards 1 and 2, which the ranks must agree
     on) and in valid-token counts, and a loss tile has no valid token."""
-    gen = torch.Generator().manual_seed(10 + rank)
+    gen = torch.Generator().manual_seed(10 + 2 * step + rank)
     sl = 7 + 13 * rank
-    x = torch.randn(2, sl, 16, generator=gen)
-    y = torch.randint(0, 20, (2, sl), generator=gen)
+    ids = torch.randint(0, 20, (2, sl), generator=gen)
+    y = ids.roll(-1, dims=1)
     y[0, : 3 + rank] = -100
-    return x, y
+    return ids, y
 
 
-def zero_worker(stage):
-    """One rank of the ZeRO test: tiled engine grads vs plain-torch untiled grads averaged over ranks."""
+def zero_worker(stage, steps=3):
+    """One rank of the ZeRO test: tiled engine grads vs plain-torch untiled grads averaged over ranks,
+    at every step (ZeRO-3 traces parameter use in the first step and prefetches from the second)."""
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
@@ -479,21 +483,27 @@ def zero_worker(stage):
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                      config=config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: every step sees the same weights
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     partitioned = stage < 3 or all(p.ds_tensor.numel() < p.ds_numel for p in engine.module.parameters())
     calls = []
     engine.module.mlp.down_proj.register_forward_hook(lambda *_: calls.append(1))
-    loss = engine(*zero_batch(rank))
-    mlp_tiles = len(calls)
-    engine.backward(loss)
-    got = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+    result = {"rank": rank, "partitioned": partitioned, "errors": {}, "loss_error": 0.0}
+    for step in range(steps):
+        calls.clear()
+        loss = engine(*zero_batch(rank, step))
+        result["mlp_tiles"] = len(calls)
+        engine.backward(loss)
+        got = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+        engine.step()
 
-    want_losses = [reference(*zero_batch(r)) for r in range(world)]
-    (sum(want_losses) / world).backward()  # ZeRO averages gradients over the data-parallel ranks
-    errors = {n: rel(got[n], p.grad) for n, p in reference.named_parameters()}
-    result = {"rank": rank, "partitioned": partitioned, "errors": errors, "mlp_tiles": mlp_tiles,
-              "loss_error": rel(loss.detach(), want_losses[rank].detach())}
+        reference.zero_grad(set_to_none=True)
+        want_losses = [reference(*zero_batch(r, step)) for r in range(world)]
+        (sum(want_losses) / world).backward()  # ZeRO averages gradients over the data-parallel ranks
+        for n, p in reference.named_parameters():
+            assert p.grad.norm() > 0, n
+            result["errors"][n] = max(result["errors"].get(n, 0.0), rel(got[n], p.grad))
+        result["loss_error"] = max(result["loss_error"], rel(loss.detach(), want_losses[rank].detach()))
     print("RESULT " + json.dumps(result), flush=True)
 
 
