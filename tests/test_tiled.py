@@ -433,6 +433,34 @@ def test_tile_mlps_on_llama_equals_untiled(bs, shards):
         h.remove()
 
 
+def test_tile_mlps_handles_any_mlp_module_and_only_the_given_model():
+    torch.manual_seed(0)
+
+    def block():
+        layer = nn.Module()
+        layer.mlp = nn.Sequential(nn.Linear(8, 24), nn.GELU(), nn.Linear(24, 8))  # GPT-style, not gate/up/down
+        return layer
+
+    model, other = nn.ModuleList([block(), block()]), nn.ModuleList([block()])
+    x = torch.randn(2, 5, 8, requires_grad=True)
+
+    def run(m):
+        h = x
+        for layer in m:
+            h = h + layer.mlp(h)
+        return grads_of(h.pow(2).sum(), [x, *m.parameters()])
+
+    want = run(model)
+    assert tile_mlps(model, shards=4) == 2
+    tiles = []
+    model[0].mlp[0].register_forward_hook(lambda m, i, o: tiles.append(o.shape[-2]))
+    assert_close(run(model), want, "grad")
+    assert tiles == [2, 1, 1, 1] * 2  # forward, then the recompute in backward
+    assert all("forward" not in layer.mlp.__dict__ for layer in other)
+    with pytest.raises(ValueError, match="shards must be a positive int, got -1"):
+        tile_mlps(model, shards=-1)
+
+
 class TinyLM(nn.Module):
     """Embedding -> residual MLP (tiled by tile_mlps) -> residual MLP (explicit TiledMLP) -> lm_head + loss,
     with the lm_head tied to the embedding, so one weight gets gradient from inside and outside tiles."""
