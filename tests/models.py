@@ -28,6 +28,7 @@ def tiny_model(config, seed: int = 0):
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
-    """norm(a - b) / norm(b); ``floor`` bounds the denominator for gradients that are zero in exact
+    """norm(a - b) / norm(b); ``floor`` (callers: 1e-5 x the whole model's gradient norm) bounds the
+    denominator for gradients that are zero in exact
     arithmetic (e.g. k_proj when every document is one token: softmax over a single key)."""
     return ((a.double() - b.double()).norm() / max(b.double().norm().item(), floor)).item()
