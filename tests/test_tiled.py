@@ -541,9 +541,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_two_ranks_match_untiled(stage):
+def run_two_ranks(*worker_args):
+    """Run this file's worker on 2 gloo ranks; return the RESULT dict each rank printed."""
     world, port = 2, free_port()
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     procs = []
@@ -551,8 +550,8 @@ def test_zero_two_ranks_match_untiled(stage):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                    WORLD_SIZE=str(world), LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "zero-worker", str(stage)],
-                                      env=env, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *worker_args], env=env, cwd=repo,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     try:
         for proc in procs:
@@ -566,7 +565,13 @@ def test_zero_two_ranks_match_untiled(stage):
         assert proc.returncode == 0, out[-4000:]
         results += [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
     assert len(results) == world
-    for result in results:
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_two_ranks_match_untiled(stage):
+    for result in run_two_ranks("zero-worker", str(stage)):
         assert result["partitioned"], "parameters were not partitioned: the ZeRO-3 path was not exercised"
         assert result["loss_error"] <= TOL
         assert result["mlp_tiles"] == 2, "ranks did not agree on the 'auto' tile count"
@@ -575,5 +580,57 @@ def test_zero_two_ranks_match_untiled(stage):
         assert not bad, f"rank {result['rank']}: gradients differ from untiled torch: {bad}"
 
 
+def zero3_llama_worker(steps=2):
+    """One rank: a HF Llama under ZeRO-3 with tile_mlps and activation-checkpoint offload, vs plain torch."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    from ds_ulysses import offload
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    model = tiny_llama().train()
+    reference = copy.deepcopy(model)
+    packed, to_host = [], offload._to_host
+    offload._to_host = lambda t: packed.append(1) or to_host(t)  # count what the pack hook moves
+    result = {"rank": rank, "mlps": tile_mlps(model, shards="auto"),
+              "offloaded_layers": offload.enable_activation_checkpoint_offload(model), "errors": {},
+              "loss_error": 0.0}
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                      config=config)
+
+    def ids(r, step):
+        return torch.randint(0, 128, (1, 150), generator=torch.Generator().manual_seed(r + 2 * step))
+
+    for step in range(steps):
+        loss = engine(input_ids=ids(rank, step), labels=ids(rank, step)).loss
+        engine.backward(loss)
+        got = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+        engine.step()
+        reference.zero_grad(set_to_none=True)
+        want_losses = [reference(input_ids=ids(r, step), labels=ids(r, step)).loss for r in range(world)]
+        (sum(want_losses) / world).backward()
+        for n, p in reference.named_parameters():
+            result["errors"][n] = max(result["errors"].get(n, 0.0), rel(got[n], p.grad))
+        result["loss_error"] = max(result["loss_error"], rel(loss.detach(), want_losses[rank].detach()))
+    result["packed"] = len(packed)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+@pytest.mark.slow
+def test_zero3_llama_with_tiled_mlps_and_checkpoint_offload():
+    for result in run_two_ranks("zero3-llama-worker"):
+        assert result["mlps"] == 2 and result["offloaded_layers"] == 2
+        assert result["packed"] >= 2 * 2, "checkpointed layer inputs did not go through the offload hook"
+        assert result["loss_error"] <= TOL
+        assert len(result["errors"]) == len(list(tiny_llama().parameters()))
+        bad = {n: e for n, e in result["errors"].items() if e > 1e-4}
+        assert not bad, f"rank {result['rank']}: gradients differ from plain torch: {bad}"
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["zero-worker"]:
     zero_worker(int(sys.argv[2]))
+if __name__ == "__main__" and sys.argv[1:] == ["zero3-llama-worker"]:
+    zero3_llama_worker()
