@@ -79,8 +79,8 @@ class SequenceTiledCompute(torch.autograd.Function):
 
     `fn` returns either a tensor that is concatenated on `output_unshard_dimension`, or a 0-dim tensor
     per tile, stacked into `[shards]`; then `output_reduction` (None, "mean", "sum") applies to the
-    whole. Only the tensor under `grad_requiring_tensor_key` gets an input gradient; other tensors are
-    constants, and the parameters `fn` uses accumulate their gradients as usual. Called through
+    whole. Only the tensor under `grad_requiring_tensor_key` gets an input gradient; other non-leaf
+    tensors are constants, and leaves `fn` uses (parameters) accumulate their gradients as usual. Called through
     `sequence_tiled_compute`, which takes dicts.
     """
 
@@ -132,7 +132,7 @@ class SequenceTiledCompute(torch.autograd.Function):
     def backward(ctx, grad_out):
         args = list(ctx.others)
         for i, t in zip(ctx.tensor_at, ctx.saved_tensors):
-            args[i] = t.detach()
+            args[i] = t if t.is_leaf else t.detach()  # leaves (weights) still get .grad; no outer graph
         grad_at = ctx.keys.index(ctx.grad_key)
         needs_grad = ctx.needs_input_grad[len(_input_names(SequenceTiledCompute.forward)) + grad_at]
         if ctx.reduction == "mean":
@@ -164,7 +164,7 @@ def sequence_tiled_compute(fn, seqlen, shards, kwargs_to_shard, kwargs_to_pass, 
     `kwargs_to_shard` values are `[bs, seqlen, ...]` tensors split on dim 1 with `torch.tensor_split`
     sizes (unequal when seqlen % shards != 0; empty tiles when shards > seqlen, so `fn` must accept a
     zero-length tile). `compute_params=None` means every trainable parameter of `fn` if it is a module
-    and of the modules in `kwargs_to_pass`; otherwise list the parameters `fn` uses, and only those:
+    and of the modules in `kwargs_to_pass`, plus parameters passed there directly; otherwise list the parameters `fn` uses, and only those:
     they become inputs of the Function, which is how ZeRO reduces each gradient once (plain torch also
     accumulates unlisted ones while the sharded input requires grad). With 0-dim tile outputs "mean"
     averages the tile values with equal weight; for a token-mean loss use `TiledFusedLogitsLoss`.
@@ -361,6 +361,7 @@ def _trainable_params(compute_params, owners):
     the modules among `owners` (LoRA adapters included, frozen base weights excluded)."""
     if compute_params is None:
         compute_params = [p for o in owners if isinstance(o, nn.Module) for p in o.parameters()]
+        compute_params += [o for o in owners if isinstance(o, nn.Parameter)]
     unique = {id(p): p for p in compute_params if p.requires_grad}
     return list(unique.values())
 

@@ -362,6 +362,22 @@ def test_sequence_tiled_compute_scalar_tiles_and_bound_module_params():
     assert seen == [False, False, False, None]  # head found through kwargs_to_pass with compute_params=None
 
 
+def test_sequence_tiled_compute_parameters_passed_as_kwargs_get_grads():
+    torch.manual_seed(0)
+    head = nn.Linear(16, 11)
+    x = torch.randn(2, 7, 16, requires_grad=True)
+    y = torch.randint(0, 11, (2, 7))
+    def tile_loss(hidden, labels, weight, bias):
+        return F.cross_entropy(F.linear(hidden, weight, bias).transpose(1, 2), labels, reduction="sum")
+
+    inputs = [x, head.weight, head.bias]
+    want = grads_of(tile_loss(x * 2, y, head.weight, head.bias), inputs)
+    got_out = sequence_tiled_compute(tile_loss, 7, 3, {"hidden": x * 2, "labels": y},  # a non-leaf input
+                                     {"weight": head.weight, "bias": head.bias}, "hidden",
+                                     output_unshard_dimension=0, output_reduction="sum")
+    assert_close(grads_of(got_out, inputs), want, "grad")
+
+
 def test_sequence_tiled_compute_errors():
     x = torch.randn(1, 4, 3, requires_grad=True)
     with pytest.raises(ValueError, match=r"must be a \[bs, seqlen, \.\.\.\] tensor with seqlen=5"):
