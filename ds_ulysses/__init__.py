@@ -9,12 +9,21 @@ Entry points:
 """
 
 from .attention import UlyssesSPAttentionHF
+from .config import UlyssesConfig, UlyssesConfigError, load_schema, parse_ds_config
 from .data import UlyssesSPDataLoaderAdapter
-from .loss import sp_loss_from_logits
+from .engine import initialize, install, uninstall
+from .loss import enable_sp_loss, sp_loss_from_logits, tiled_causal_lm_loss
 from .mesh import Mesh, build_mesh
+from .offload import disable_activation_checkpoint_offload, enable_activation_checkpoint_offload
 from .register import register_with_transformers, unregister_from_transformers
+from .tiled import (SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute, tile_mlps,
+                    untile_mlps)
 
 __all__ = [
-    "UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter", "Mesh", "build_mesh",
-    "register_with_transformers", "unregister_from_transformers", "sp_loss_from_logits",
+    "UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter", "sequence_tiled_compute", "SequenceTiledCompute",
+    "TiledMLP", "TiledFusedLogitsLoss", "initialize", "install", "uninstall",
+    "UlyssesConfig", "UlyssesConfigError", "parse_ds_config", "load_schema", "Mesh", "build_mesh",
+    "register_with_transformers", "unregister_from_transformers", "enable_sp_loss", "sp_loss_from_logits",
+    "tiled_causal_lm_loss", "tile_mlps", "untile_mlps", "enable_activation_checkpoint_offload",
+    "disable_activation_checkpoint_offload",
 ]

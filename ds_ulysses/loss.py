@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["GlobalTokenMean", "sp_loss_from_logits", "enable_sp_loss", "disable_sp_loss"]
+__all__ = ["GlobalTokenMean", "sp_loss_from_logits", "tiled_causal_lm_loss", "enable_sp_loss", "disable_sp_loss"]
 
 
 class GlobalTokenMean(torch.autograd.Function):
@@ -59,13 +59,41 @@ def sp_loss_from_logits(logits: torch.Tensor, shift_labels: torch.Tensor, group=
     return GlobalTokenMean.apply(local_sum, local_count.to(local_sum.device), group, grad_scale)
 
 
+def _token_ce_sum(head, x, y):
+    return F.cross_entropy(head(x).float(), y, ignore_index=-100, reduction="sum")
+
+
+def tiled_causal_lm_loss(shards="auto"):
+    """A ``loss_fn`` for :func:`enable_sp_loss`: decoder -> hidden states -> TiledFusedLogitsLoss.
+
+    The ``[bs sl_l V]`` logits are never materialised whole: lm_head and cross-entropy run one tile
+    at a time (forward and recompute in backward), which is what takes ALST from 32K to 160K tokens
+    on one GPU. The returned output has ``loss`` and no ``logits``. For heads that are a plain
+    linear layer (no logit soft-capping or scaling after lm_head).
+    """
+    from .tiled import TiledFusedLogitsLoss
+
+    def loss_fn(model, args, kwargs, shift_labels, group, grad_scale):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("labels", "logits_to_keep")}
+        hidden = model.get_decoder()(*args, **kwargs).last_hidden_state  # [bs sl_l h]
+        labels = shift_labels.to(hidden.device)
+        local_sum = TiledFusedLogitsLoss.apply(_token_ce_sum, model.get_output_embeddings(), hidden, labels,
+                                               None, shards, None, "sum")
+        loss = GlobalTokenMean.apply(local_sum.reshape(()), (labels != -100).sum(), group, grad_scale)
+        return CausalLMOutputWithPast(loss=loss)
+
+    return loss_fn
+
+
 def enable_sp_loss(model, group=None, grad_scale: float = 1.0, loss_fn=None) -> None:
     """Make ``model(**batch)`` compute the SP loss when the batch carries ``shift_labels``.
 
     Transformers computes a loss only from ``labels``; the adapter's batches carry pre-shifted,
-    sharded ``shift_labels`` instead. ``loss_fn(forward, args, kwargs, shift_labels, group,
-    grad_scale) -> outputs`` replaces the default (logits -> :func:`sp_loss_from_logits`), e.g. a
-    tiled fused loss that never builds the logits.
+    sharded ``shift_labels`` instead. ``loss_fn(model, args, kwargs, shift_labels, group,
+    grad_scale) -> outputs`` replaces the default (logits -> :func:`sp_loss_from_logits`), e.g.
+    :func:`tiled_causal_lm_loss`, which never builds the whole logits.
     Idempotent: enabling again updates group and scale.
     """
     state = model.__dict__.get("_ulysses_loss")
@@ -82,7 +110,7 @@ def enable_sp_loss(model, group=None, grad_scale: float = 1.0, loss_fn=None) -> 
         if shift_labels is None or kwargs.get("labels") is not None:
             return original(*args, **kwargs)
         if state["loss_fn"] is not None:
-            return state["loss_fn"](original, args, kwargs, shift_labels, state["group"], state["grad_scale"])
+            return state["loss_fn"](model, args, kwargs, shift_labels, state["group"], state["grad_scale"])
         outputs = original(*args, **kwargs)
         outputs.loss = sp_loss_from_logits(outputs.logits, shift_labels, state["group"], state["grad_scale"])
         return outputs

@@ -5,9 +5,11 @@ per-layer all-to-all stays inside a node), a DP group is a column (ranks that ho
 shard of different samples). The :class:`Mesh` object is passed to whatever needs groups; nothing
 here is a module global.
 
-:class:`Mesh` doubles as the Megatron-style ``mpu`` that ``deepspeed.initialize(mpu=...)`` reads.
-DeepSpeed takes the data-parallel group from it for gradient reduction and batch arithmetic, and the
-sequence-parallel group for its SP-aware gradient averaging, so both families of getters exist.
+:class:`Mesh` doubles as the Megatron-style ``mpu`` that ``deepspeed.initialize(mpu=...)`` reads:
+DeepSpeed takes its batch arithmetic from ``get_data_parallel_world_size`` (dp), its ZeRO
+partitioning and gradient reduction from the data-parallel and sequence-data-parallel groups (every
+rank of the mesh, since SP peers hold one replica), and its SP-aware averaging from the
+sequence-parallel getters.
 """
 
 from __future__ import annotations
@@ -71,7 +73,11 @@ class Mesh:
         return self.sp_rank
 
     def get_data_parallel_group(self):
-        return self.dp_group
+        # DeepSpeed partitions ZeRO-3 parameters (and reduce-scatters their gradients) over this
+        # group. SP peers hold the same replica, so for ZeRO it is every rank of the mesh; handing
+        # it the pure DP column leaves gradients unreduced across SP peers. The column is
+        # ``self.dp_group``; get_data_parallel_world_size stays dp for DeepSpeed's batch arithmetic.
+        return self.get_sequence_data_parallel_group()
 
     def get_data_parallel_world_size(self) -> int:
         return self.dp

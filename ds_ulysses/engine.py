@@ -1,0 +1,142 @@
+"""The engine hook: a DeepSpeed config's ``"ulysses"`` section -> mesh, SP model, loader, engine.
+
+:func:`initialize` is ``deepspeed.initialize`` plus the wiring users otherwise do by hand (and get
+wrong: DeepSpeed #7458, #7672, #7695): the ``(dp, sp)`` mesh is built and handed to DeepSpeed as its
+``mpu`` (so ZeRO reduces gradients over SP peers too, DeepSpeed #6868), the model gets the SP
+attention, the SP loss, and the section's tiling and offload switches, and the training data comes
+back already wrapped by the SP adapter. :func:`install` makes a plain ``deepspeed.initialize`` (as
+HF Trainer, Accelerate and existing scripts call it) do the same when the config has the section.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch.distributed as dist
+
+from .config import UlyssesConfig, parse_ds_config
+from .data import UlyssesSPDataLoaderAdapter
+from .loss import enable_sp_loss, tiled_causal_lm_loss
+from .mesh import Mesh
+from .offload import enable_activation_checkpoint_offload
+from .register import register_with_transformers
+from .tiled import tile_mlps
+
+__all__ = ["initialize", "install", "uninstall", "prepare_model", "loss_grad_scale"]
+
+_original_initialize = None  # deepspeed.initialize as it was before install()
+
+
+def loss_grad_scale(ds_config: dict, sp: int) -> float:
+    """How the SP loss must scale its backward so DeepSpeed's reduction yields the non-SP gradient.
+
+    ZeRO-3's reduce-scatter averages gradients over all sp x dp ranks; every other path (ZeRO-0/1/2,
+    ZeRO-3 with ``reduce_scatter: false``) divides by dp only, i.e. sums over SP peers.
+    """
+    zero = ds_config.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    return float(sp) if stage == 3 and zero.get("reduce_scatter", True) else 1.0
+
+
+def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: int, grad_scale: float) -> None:
+    """Apply the section to ``model``: SP attention, SP loss (tiled or not), tiled MLP, offload."""
+    if mesh.sp > 1:
+        register_with_transformers(model, section.attn_implementation, mesh.sp, micro_batch_size,
+                                   section.seq_length, section.seq_length_is_variable,
+                                   section.disable_in_eval, mesh=mesh)
+    loss_fn = tiled_causal_lm_loss(section.tiled_loss.shards) if section.tiled_loss.enabled else None
+    enable_sp_loss(model, mesh.sp_group, grad_scale, loss_fn)
+    if section.tiled_mlp.enabled:
+        tile_mlps(model, section.tiled_mlp.shards)
+    if section.activation_checkpoint_offload.enabled:
+        enable_activation_checkpoint_offload(model)
+
+
+def _sp_loader(training_data, mesh: Mesh, section: UlyssesConfig, micro_batch_size: int, collate_fn):
+    """Every rank reads a distinct 1/world of the data; its SP group then trains on each sample once."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(training_data, num_replicas=mesh.world_size, rank=mesh.rank,
+                                 shuffle=False, drop_last=True)
+    loader = DataLoader(training_data, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn)
+    return UlyssesSPDataLoaderAdapter(loader, mesh.sp_rank, mesh.sp_group, mesh.sp, "cpu",
+                                      pad_to_multiple=section.pad_to_multiple, pad_token_id=section.pad_token_id)
+
+
+def initialize(model=None, config=None, mesh_param=None, model_parameters=None, training_data=None,
+               args=None, collate_fn=None, **deepspeed_kwargs):
+    """``deepspeed.initialize`` with SP set up from the config's ``"ulysses"`` section.
+
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``; the loader (when
+    ``training_data`` is given) is an :class:`UlyssesSPDataLoaderAdapter` whose batches go straight
+    into ``engine(**batch)``, whose ``.loss`` is the global token mean on every SP rank.
+    ``mesh_param=(dp, sp)`` overrides the section's mesh.
+    """
+    import deepspeed
+
+    ds_initialize = _original_initialize or deepspeed.initialize
+    if config is None:
+        config = deepspeed_kwargs.pop("config_params", None)
+    if config is None and getattr(args, "deepspeed_config", None):
+        config = args.deepspeed_config
+        args = copy.copy(args)
+        args.deepspeed_config = None  # DeepSpeed refuses a config given twice
+    ds_config, section = parse_ds_config(config if config is not None else {})
+    if section is None:
+        return ds_initialize(args=args, model=model, model_parameters=model_parameters, training_data=training_data,
+                             config=ds_config, mesh_param=mesh_param, collate_fn=collate_fn, **deepspeed_kwargs)
+    if deepspeed_kwargs.pop("mpu", None) is not None:
+        raise ValueError(
+            "got both an mpu and a \"ulysses\" config section; the section builds the mesh and its "
+            "mpu itself, so drop mpu= (or drop the section and wire SP by hand)")
+    if model is None:
+        raise ValueError("initialize needs model=...: the ulysses section configures the model's attention and loss")
+    if not dist.is_initialized():
+        deepspeed.init_distributed()
+    if mesh_param is not None:
+        section = dataclasses.replace(section, mesh_param=tuple(mesh_param), sequence_parallel_size=int(mesh_param[1]))
+    dp, sp = section.mesh(dist.get_world_size())
+    mesh = Mesh(dp, sp, section.comm_timeout_seconds)
+    micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
+    prepare_model(model, section, mesh, micro, loss_grad_scale(ds_config, sp))
+    ds_config["sequence_parallel_size"] = sp
+    if model_parameters is None:
+        model_parameters = [p for p in model.parameters() if p.requires_grad]
+    engine, optimizer, _, scheduler = ds_initialize(
+        args=args, model=model, model_parameters=model_parameters, config=ds_config, mpu=mesh, **deepspeed_kwargs)
+    loader = None
+    if training_data is not None:
+        loader = _sp_loader(training_data, mesh, section, micro, collate_fn)
+    return engine, optimizer, loader, scheduler
+
+
+def _patched_initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+                        lr_scheduler=None, distributed_port=29500, mpu=None, dist_init_required=None,
+                        collate_fn=None, config=None, mesh_param=None, config_params=None):
+    """``deepspeed.initialize`` after :func:`install`: same signature, the section honoured."""
+    kwargs = dict(optimizer=optimizer, lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
+                  dist_init_required=dist_init_required)
+    return initialize(model=model, config=config if config is not None else config_params, mesh_param=mesh_param,
+                      model_parameters=model_parameters, training_data=training_data, args=args,
+                      collate_fn=collate_fn, **kwargs)
+
+
+def install() -> None:
+    """Make ``deepspeed.initialize`` honour the ``"ulysses"`` section. Idempotent."""
+    global _original_initialize
+    import deepspeed
+
+    if _original_initialize is None:
+        _original_initialize = deepspeed.initialize
+        deepspeed.initialize = _patched_initialize
+
+
+def uninstall() -> None:
+    """Restore the original ``deepspeed.initialize``. Idempotent."""
+    global _original_initialize
+    import deepspeed
+
+    if _original_initialize is not None:
+        deepspeed.initialize = _original_initialize
+        _original_initialize = None
