@@ -92,3 +92,12 @@ def test_conflicting_wiring_is_refused_on_every_rank():
     for first, second in run_distributed(_mpu_and_section, 2):
         assert "got both an mpu and a \"ulysses\" config section" in first
         assert second is not None and "dp=3 * sp=2 = 6 but world_size=2" in second
+
+
+@pytest.mark.parametrize("stage,shards", [(3, 3), (2, "auto")])
+def test_all_alst_switches_with_sp_match_unsharded(stage, shards):
+    """SP 2 with tiled MLP, tiled fused logits loss and checkpoint offload on: still the exact maths."""
+    section = {"tiled_mlp": {"enabled": True, "shards": shards}, "tiled_loss": {"enabled": True, "shards": shards},
+               "activation_checkpoint_offload": {"enabled": True}}
+    cfg = ds_config(stage, offload=stage == 3, extra_section=section)
+    _check(run_distributed(engine_vs_reference, 2, cfg, timeout=600), 1, 2)
