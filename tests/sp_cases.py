@@ -128,3 +128,17 @@ def sp_eval_vs_reference(rank: int, world_size: int, case: dict) -> dict:
         for k, micro in enumerate(loader):
             errs.append(rel_err(model(**micro).loss, reference_loss(ref, samples[k])))
     return {"loss": max(errs), "steps": len(errs)}
+
+
+def run_cases(rank: int, world_size: int, fn_name: str, cases: dict) -> dict:
+    """Several cases in one process group (spawning ranks costs more than a tiny case)."""
+    import traceback
+
+    fn = globals()[fn_name]
+    out = {}
+    for name, case in cases.items():
+        try:
+            out[name] = fn(rank, world_size, case)
+        except Exception:  # reported per case by the test that owns it
+            out[name] = traceback.format_exc()
+    return out

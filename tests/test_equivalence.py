@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from .distributed import run_distributed
-from .sp_cases import sp_eval_vs_reference, sp_vs_reference
+from .sp_cases import run_cases, sp_vs_reference
 
 CASES = {
     # the core issue's families
@@ -35,20 +35,44 @@ CASES = {
 }
 
 
+EVAL_CASES = {
+    # torch 2.13 has no flex_attention backward on CPU: its forward (eval) path is checked here
+    "flex-forward-packed-sp2": (2, dict(family="llama", heads=4, kv_heads=2, attn="flex_attention",
+                                        length=40, docs=[7, 13, 20])),
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    """Each world size's cases run in one spawned process group; results keyed by case name."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            table, fn = (CASES, "sp_vs_reference") if name in CASES else (EVAL_CASES, "sp_eval_vs_reference")
+            world = table[name][0]
+            batch = {n: c for n, (w, c) in table.items() if w == world}
+            for rank_result in zip(*[r.items() for r in run_distributed(run_cases, world, fn, batch, timeout=900)]):
+                cache[rank_result[0][0]] = [res for _, res in rank_result]
+        return cache[name]
+    return get
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_sp_matches_unsharded(name):
-    world, case = CASES[name]
-    for result in run_distributed(sp_vs_reference, world, case):
+def test_sp_matches_unsharded(name, outcomes):
+    world = CASES[name][0]
+    for result in outcomes(name):
+        assert not isinstance(result, str), result
         assert result["steps"] == world
         assert result["loss"] <= 1e-5, result
         assert result["grad"][0] <= 1e-4, result
 
 
-def test_flex_attention_forward_matches_unsharded():
-    """torch 2.13 has no flex_attention backward on CPU: its forward (eval) path is checked here."""
-    case = dict(family="llama", heads=4, kv_heads=2, attn="flex_attention", length=40, docs=[7, 13, 20])
-    for result in run_distributed(sp_eval_vs_reference, 2, case):
-        assert result["steps"] == 2 and result["loss"] <= 1e-5, result
+@pytest.mark.parametrize("name", sorted(EVAL_CASES))
+def test_forward_matches_unsharded(name, outcomes):
+    for result in outcomes(name):
+        assert not isinstance(result, str), result
+        assert result["steps"] == EVAL_CASES[name][0] and result["loss"] <= 1e-5, result
 
 
 @pytest.mark.gpu
