@@ -72,9 +72,37 @@ def _run_validate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from ds_ulysses.bench import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from ds_ulysses.bench import run_command
+
+    return run_command(args)
+
+
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    from ds_ulysses.planner import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from ds_ulysses.planner import run_command
+
+    return run_command(args)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "validate": Subcommand("check a DeepSpeed config's \"ulysses\" section against the schema",
                            _add_validate_arguments, _run_validate),
+    "bench": Subcommand("benchmark ours against DeepSpeed's ALST module side by side (CPU processes)",
+                        _add_bench_arguments, _run_bench),
+    "plan": Subcommand("predict per-GPU memory and recommend sp, tiles and switches for a sequence length",
+                       _add_plan_arguments, _run_plan),
 }
 
 

@@ -1,0 +1,283 @@
+"""``ds-ulysses plan``: a per-rank memory model that picks sp, tile counts and the ALST switches.
+
+Dimension legend::
+
+    S   global sequence length     sl_l = S / sp  tokens per rank    h  hidden   I  MLP intermediate
+    L   layers   V  vocab   P  parameters   N  GPUs (ranks)   b  bytes per activation element
+
+Why these terms (ALST, arXiv 2506.13996, section 3): at long S the model states are small next to the
+activations, and the activations that matter are (1) the hidden states each layer keeps for its
+recompute (``L sl_l h b``; moved to the host by checkpoint offload), (2) one layer's working set
+while it is recomputed and differentiated (about 20 hidden-sized tensors, see
+:func:`layer_units`), (3) the MLP intermediates (``sl_l I``; bounded to a tile by TiledMLP), and (4)
+the logits (``sl_l V`` in fp32, logits + log-softmax + gradient; bounded to a tile by the tiled
+loss). Ulysses divides all four by sp. ZeRO-3 divides parameters (b_p P), gradients and Adam states
+(12 P in fp32) by N, or moves them to the host with offload.
+
+On CPU there is no separate device memory: the prediction for a CPU run is one process's RSS high
+water mark = a measured runtime baseline (Python, torch, DeepSpeed, Transformers, communication
+buffers: ``--cpu-baseline``) + model states on both "sides" + the activation peak. Without
+checkpointing every layer keeps its saved tensors until backward (:func:`layer_units` x L).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ModelDims", "Setup", "KNOWN_MODELS", "load_dims", "layer_units", "breakdown", "fits", "recommend",
+           "max_seq_len", "ulysses_section", "add_arguments", "run_command"]
+
+GIB = float(1 << 30)
+_LOGITS_BUDGET = 1 << 30  # the tiled loss's "auto" budget: 1 GiB of fp32 logits per tile
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The shape numbers the memory model needs, from a HF config."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool = False
+
+    @property
+    def params(self) -> int:
+        h, hs = self.hidden, self.head_dim
+        attn = h * self.heads * hs * 2 + h * self.kv_heads * hs * 2
+        layer = attn + 3 * h * self.intermediate + 2 * h
+        return self.layers * layer + self.vocab * h * (1 if self.tied else 2) + h
+
+    @property
+    def layer_params(self) -> int:
+        return (self.params - self.vocab * self.hidden * (1 if self.tied else 2) - self.hidden) // self.layers
+
+
+KNOWN_MODELS = {  # config numbers baked in so planning needs no download
+    "llama-3.1-8b": ModelDims(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128,
+                              vocab=128256),
+    "llama-3.1-70b": ModelDims(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, head_dim=128,
+                               vocab=128256),
+    "ds-ulysses-bench": ModelDims(hidden=256, intermediate=688, layers=4, heads=8, kv_heads=2, head_dim=32,
+                                  vocab=32000),
+}
+
+
+def load_dims(model: str) -> ModelDims:
+    """A known name (``llama-3.1-8b``, ``meta-llama/Llama-3.1-8B``), a config.json, or a model directory."""
+    key = model.lower().rsplit("/", 1)[-1].replace("meta-", "")
+    if key in KNOWN_MODELS:
+        return KNOWN_MODELS[key]
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--model {model!r} is neither a known name ({', '.join(KNOWN_MODELS)}) nor a HF "
+                         "config.json or a directory holding one; pass a local path (nothing is downloaded)")
+    cfg = json.loads(path.read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = cfg["num_attention_heads"]
+    return ModelDims(hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"],
+                     layers=cfg["num_hidden_layers"], heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
+                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, vocab=cfg["vocab_size"],
+                     tied=bool(cfg.get("tie_word_embeddings", False)))
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One candidate: mesh, precision and every memory switch."""
+
+    seq_len: int
+    gpus: int
+    sp: int
+    act_bytes: int = 2            # bf16 activations on GPU; 4 for fp32 (the CPU runs)
+    checkpointing: bool = True    # HF gradient checkpointing (one saved input per layer)
+    ckpt_offload: bool = False    # ulysses.activation_checkpoint_offload
+    tiled_mlp: int = 1            # MLP tiles (1 = untiled)
+    tiled_loss: int = 1           # logits tiles (1 = untiled)
+    offload_optimizer: bool = True
+    offload_param: bool = False
+
+    @property
+    def local(self) -> float:
+        return self.seq_len / self.sp
+
+
+def layer_units(dims: ModelDims, setup: Setup) -> float:
+    """Hidden-sized tensors (``sl_l x h``) one decoder layer holds from forward to its backward.
+
+    Attention: q, k, v (1 + 2r, r = kv/heads), their RoPE'd copies (1 + r), the head-sharded copies
+    after the all-to-all (1 + 2r), the kernel's output and its all-to-all back (2), o_proj output and
+    residual (2). Two RMSNorms (2 each, 3 when a bf16 input is upcast to fp32). MLP output and
+    residual (2); the MLP intermediates are :func:`mlp_units`.
+    """
+    r = dims.kv_heads / dims.heads
+    norm = 2 + (1 if setup.act_bytes < 4 else 0)
+    return (1 + 2 * r) + (1 + r) + (1 + 2 * r) + 2 + 2 + 2 * norm + 2
+
+
+def mlp_units(dims: ModelDims, setup: Setup) -> float:
+    """gate, up, act(gate), act*up: ``4 I`` per token, of which a tiled MLP holds one tile at a time."""
+    return 4 * dims.intermediate / dims.hidden / setup.tiled_mlp
+
+
+def breakdown(dims: ModelDims, setup: Setup) -> dict[str, tuple[float, float]]:
+    """term -> (device bytes, host bytes) per rank."""
+    n, p, b = setup.gpus, dims.params, setup.act_bytes
+    u = setup.local * dims.hidden * b  # one hidden-sized activation on this rank
+    param_bytes = 2 if b < 4 else 4
+    working = 2 * dims.layer_params * param_bytes + dims.vocab * dims.hidden * param_bytes  # gathered: 2 layers + head
+    out = {"parameters (ZeRO-3)": (working + (0 if setup.offload_param else p * param_bytes / n),
+                                   p * param_bytes / n if setup.offload_param else 0.0)}
+    states = p * (12 if param_bytes < 4 else 8) / n + p * 4 / n  # fp32 master (bf16 only) + Adam m, v + fp32 grads
+    out["gradients + optimizer states"] = (0.0, states) if setup.offload_optimizer else (states, 0.0)
+    per_layer = (layer_units(dims, setup) + mlp_units(dims, setup)) * u
+    if setup.checkpointing:
+        saved = dims.layers * u
+        out["checkpointed layer inputs"] = (0.0, saved) if setup.ckpt_offload else (saved, 0.0)
+        out["layer recompute + backward"] = (per_layer + 4 * u, 0.0)  # + incoming and produced grads
+    else:
+        out["saved activations (all layers)"] = (dims.layers * per_layer + 4 * u, 0.0)
+    logits_bytes = 12 + (4 if b < 4 else 0)  # fp32 logits, log-softmax, grad (+ bf16 logits and upcast)
+    out["logits + loss"] = (math.ceil(setup.local / setup.tiled_loss) * dims.vocab * logits_bytes, 0.0)
+    return out
+
+
+def fits(dims: ModelDims, setup: Setup, gpu_mem: float, cpu_mem: float | None, overhead: float) -> bool:
+    terms = breakdown(dims, setup)
+    device = sum(d for d, _ in terms.values()) + overhead
+    host = sum(h for _, h in terms.values()) * min(setup.gpus, 8)  # host memory is per node of <= 8 GPUs
+    return device <= gpu_mem and (cpu_mem is None or host <= cpu_mem)
+
+
+def _candidates(dims: ModelDims, seq_len: int, gpus: int, act_bytes: int):
+    """Every setup, cheapest first: small sp, then the switches ordered by what they cost in time."""
+    sps = [sp for sp in range(1, min(gpus, dims.heads) + 1) if gpus % sp == 0]
+    out = []
+    for sp, ckpt, mlp, loss, offload, opt, par in itertools.product(sps, (False, True), (False, True), (False, True),
+                                                                     (False, True), (False, True), (False, True)):
+        if offload and not ckpt:
+            continue
+        local = max(1, seq_len // sp)
+        setup = Setup(seq_len, gpus, sp, act_bytes, ckpt, offload,
+                      math.ceil(local / dims.hidden) if mlp else 1,
+                      max(1, math.ceil(local * dims.vocab * 4 / _LOGITS_BUDGET)) if loss else 1, opt, par)
+        cost = math.log2(sp) * 1.0 + ckpt * 1.0 + mlp * 0.3 + loss * 0.1 + offload * 0.5 + opt * 0.6 + par * 2.0
+        out.append((cost, setup))
+    out.sort(key=lambda cs: cs[0])
+    return [s for _, s in out]
+
+
+def recommend(dims: ModelDims, seq_len: int, gpus: int, gpu_mem: float, cpu_mem: float | None = None,
+              act_bytes: int = 2, overhead: float = 4 * GIB) -> Setup | None:
+    """The cheapest setup that fits, or None when nothing does."""
+    return next((s for s in _candidates(dims, seq_len, gpus, act_bytes) if fits(dims, s, gpu_mem, cpu_mem, overhead)),
+                None)
+
+
+def max_seq_len(dims: ModelDims, gpus: int, gpu_mem: float, cpu_mem: float | None = None, act_bytes: int = 2,
+                overhead: float = 4 * GIB) -> tuple[int, Setup | None]:
+    """The longest S (to 1K) that some setup fits, with every switch on and sp = gpus at the limit."""
+    def ok(s):
+        return recommend(dims, s, gpus, gpu_mem, cpu_mem, act_bytes, overhead) is not None
+
+    lo, hi = 0, 1 << 10
+    while ok(hi * 1024):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid * 1024) else (lo, mid)
+    s = lo * 1024
+    return s, (recommend(dims, s, gpus, gpu_mem, cpu_mem, act_bytes, overhead) if s else None)
+
+
+def ulysses_section(setup: Setup) -> dict:
+    """The ``"ulysses"`` section for a setup, validated by :class:`ds_ulysses.config.UlyssesConfig`."""
+    from .config import UlyssesConfig
+
+    section = {
+        "sequence_parallel_size": setup.sp,
+        "tiled_mlp": {"enabled": setup.tiled_mlp > 1, "shards": setup.tiled_mlp if setup.tiled_mlp > 1 else "auto"},
+        "tiled_loss": {"enabled": setup.tiled_loss > 1, "shards": setup.tiled_loss if setup.tiled_loss > 1 else "auto"},
+        "activation_checkpoint_offload": {"enabled": setup.ckpt_offload},
+    }
+    UlyssesConfig.from_dict(section)
+    return section
+
+
+def format_breakdown(dims: ModelDims, setup: Setup, overhead: float) -> str:
+    terms = breakdown(dims, setup)
+    rows = [f"| {name} | {d / GIB:.2f} | {h / GIB:.2f} |" for name, (d, h) in terms.items()]
+    rows.append(f"| runtime overhead (CUDA context, NCCL, allocator) | {overhead / GIB:.2f} | 0.00 |")
+    dev = sum(d for d, _ in terms.values()) + overhead
+    host = sum(h for _, h in terms.values())
+    rows.append(f"| **total per rank** | **{dev / GIB:.2f}** | **{host / GIB:.2f}** |")
+    return "\n".join(["| term | device GiB | host GiB |", "|---|---|---|", *rows])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help=f"HF config.json, a directory holding one, or one of "
+                                                       f"{', '.join(KNOWN_MODELS)}")
+    parser.add_argument("--seq-len", required=True, help="global sequence length (e.g. 500K), or 'max'")
+    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs (ranks)")
+    parser.add_argument("--gpu-mem", type=float, required=True, help="GiB per GPU")
+    parser.add_argument("--cpu-mem", type=float, help="host GiB per node (<= 8 GPUs each); unchecked if omitted")
+    parser.add_argument("--overhead", type=float, default=4.0, help="GiB per GPU for CUDA context, NCCL, fragmentation")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activation dtype")
+    parser.add_argument("--write", metavar="FILE", help="write the recommended {\"ulysses\": ..., "
+                                                        "\"zero_optimization\": ...} to FILE")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    import sys
+
+    from .bench import parse_size
+
+    try:
+        dims = load_dims(args.model)
+        if args.gpus < 1 or args.gpu_mem <= 0:
+            raise ValueError(f"--gpus and --gpu-mem must be positive, got {args.gpus} and {args.gpu_mem}")
+        act = 2 if args.dtype == "bf16" else 4
+        cpu = None if args.cpu_mem is None else args.cpu_mem * GIB
+        if args.seq_len == "max":
+            seq_len, setup = max_seq_len(dims, args.gpus, args.gpu_mem * GIB, cpu, act, args.overhead * GIB)
+            print(f"longest sequence that fits: {seq_len:,} tokens ({seq_len / 1024:.0f}K)")
+        else:
+            seq_len = parse_size(args.seq_len)
+            setup = recommend(dims, seq_len, args.gpus, args.gpu_mem * GIB, cpu, act, args.overhead * GIB)
+    except ValueError as exc:
+        print(f"ds-ulysses plan: {exc}", file=sys.stderr)
+        return 2
+    if setup is None:
+        print(f"ds-ulysses plan: nothing fits: S={seq_len:,} on {args.gpus} x {args.gpu_mem} GiB even with sp="
+              f"{min(args.gpus, dims.heads)} and every switch on; add GPUs or shorten the sequence", file=sys.stderr)
+        return 1
+    print(f"model: {dims.params / 1e9:.2f}B params, {dims.layers} layers, h={dims.hidden}, I={dims.intermediate}, "
+          f"V={dims.vocab}; S={seq_len:,}, {args.gpus} GPU(s)")
+    print(f"plan: sp={setup.sp} (dp={args.gpus // setup.sp}), gradient checkpointing "
+          f"{'on' if setup.checkpointing else 'off'}, ZeRO-3 offload optimizer={setup.offload_optimizer} "
+          f"param={setup.offload_param}")
+    print(format_breakdown(dims, setup, args.overhead * GIB))
+    config = {"ulysses": ulysses_section(setup),
+              "zero_optimization": {"stage": 3, **({"offload_optimizer": {"device": "cpu"}} if setup.offload_optimizer
+                                                   else {}),
+                                    **({"offload_param": {"device": "cpu"}} if setup.offload_param else {})}}
+    text = json.dumps(config, indent=2)
+    print(text)
+    if args.write:
+        Path(args.write).write_text(text + "\n")
+        print(f"wrote {args.write}")
+    if not setup.checkpointing:
+        return 0
+    print("note: the plan assumes gradient checkpointing (model.gradient_checkpointing_enable()); "
+          "activation_checkpoint_offload turns it on by itself")
+    return 0
+
