@@ -79,22 +79,37 @@ def _index(heads, device) -> torch.Tensor:
     return torch.tensor(heads, dtype=torch.long, device=device)
 
 
+def _select_heads(x: torch.Tensor, heads) -> torch.Tensor:
+    """``x[:, :, heads]``: a view for a contiguous run of heads (the usual case), else a copy."""
+    first = heads[0]
+    if tuple(heads) == tuple(range(first, first + len(heads))):
+        return x.narrow(2, first, len(heads))
+    return x.index_select(2, _index(heads, x.device))
+
+
+def _pack(per_destination: list[list[torch.Tensor]]) -> tuple[torch.Tensor, list[int]]:
+    """Copy every piece straight into one flat send buffer (one copy per element), grouped per destination."""
+    ref = per_destination[0][0]
+    send = ref.new_empty(sum(p.numel() for pieces in per_destination for p in pieces))
+    sizes, offset = [], 0
+    for pieces in per_destination:
+        start = offset
+        for p in pieces:
+            send[offset:offset + p.numel()].view(p.shape).copy_(p)
+            offset += p.numel()
+        sizes.append(offset - start)
+    return send, sizes
+
+
 def seq_to_heads(layout: HeadLayout, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """``[bs sl_l hc hs]`` per tensor -> ``[bs sl hc_l hs]`` per tensor, one all-to-all."""
     if layout.world_size == 1:
         return tuple(tensors)
     ws = layout.world_size
     bs, _, _, hs = tensors[0].shape
-    # pack: for destination r, every tensor's heads owned by r, back to back
-    chunks, send_sizes = [], []
-    for r in range(ws):
-        size = 0
-        for t, x in enumerate(tensors):
-            part = x.index_select(2, _index(layout.heads[t][r], x.device))  # [bs sl_l hc_r hs]
-            chunks.append(part.reshape(-1))
-            size += part.numel()
-        send_sizes.append(size)
-    send = torch.cat(chunks)
+    # pack: for destination r, every tensor's heads owned by r, back to back: [bs sl_l hc_r hs] each
+    send, send_sizes = _pack([[_select_heads(x, layout.heads[t][r]) for t, x in enumerate(tensors)]
+                              for r in range(ws)])
     n_me = [layout.local_heads(t) for t in range(len(tensors))]
     recv_sizes = [bs * layout.seq_lens[s] * sum(n_me) * hs for s in range(ws)]
     recv = _all_to_all(layout, send, send_sizes, recv_sizes)
@@ -118,17 +133,9 @@ def heads_to_seq(layout: HeadLayout, tensors: tuple[torch.Tensor, ...]) -> tuple
         return tuple(tensors)
     ws, me = layout.world_size, layout.rank
     bs, _, _, hs = tensors[0].shape
-    # pack: for destination s, its tokens of every tensor (my heads)
-    chunks, send_sizes = [], []
-    for s in range(ws):
-        start = sum(layout.seq_lens[:s])
-        size = 0
-        for x in tensors:
-            part = x[:, start:start + layout.seq_lens[s]]  # [bs sl_s hc_l hs]
-            chunks.append(part.reshape(-1))
-            size += part.numel()
-        send_sizes.append(size)
-    send = torch.cat(chunks)
+    # pack: for destination s, its tokens of every tensor (my heads): [bs sl_s hc_l hs] each
+    starts = [sum(layout.seq_lens[:s]) for s in range(ws)]
+    send, send_sizes = _pack([[x.narrow(1, starts[s], layout.seq_lens[s]) for x in tensors] for s in range(ws)])
     sl_me = layout.seq_lens[me]
     recv_sizes = [bs * sl_me * sum(len(layout.heads[t][r]) for t in range(len(tensors))) * hs for r in range(ws)]
     recv = _all_to_all(layout, send, send_sizes, recv_sizes)
