@@ -16,8 +16,8 @@ from .loss import enable_sp_loss, sp_loss_from_logits, tiled_causal_lm_loss
 from .mesh import Mesh, build_mesh
 from .offload import disable_activation_checkpoint_offload, enable_activation_checkpoint_offload
 from .register import register_with_transformers, unregister_from_transformers
-from .tiled import (SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute, tile_mlps,
-                    untile_mlps)
+from .mlp_tiling import tile_mlps, untile_mlps
+from .tiled import SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
 
 __all__ = [
     "UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter", "sequence_tiled_compute", "SequenceTiledCompute",

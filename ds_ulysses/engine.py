@@ -21,7 +21,7 @@ from .loss import enable_sp_loss, tiled_causal_lm_loss
 from .mesh import Mesh
 from .offload import enable_activation_checkpoint_offload
 from .register import register_with_transformers
-from .tiled import tile_mlps
+from .mlp_tiling import tile_mlps
 
 __all__ = ["initialize", "install", "uninstall", "prepare_model", "loss_grad_scale"]
 

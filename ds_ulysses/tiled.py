@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["SequenceTiledCompute", "sequence_tiled_compute", "TiledMLP", "TiledFusedLogitsLoss", "auto_mlp_shards",
-           "auto_loss_shards", "agree_on_shards", "tile_mlps", "untile_mlps"]
+           "auto_loss_shards", "agree_on_shards"]
 
 IGNORE_INDEX = -100
 DEFAULT_LOGITS_BUDGET_BYTES = 1 << 30  # 1 GiB of logits per tile: 2**28 fp32 values
@@ -295,49 +295,6 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         if x_grad is not None:
             x_grad = x_grad.view(ctx.x_shape)  # [n, h] -> [bs, sl, h]
         return _one_grad_per_input(TiledFusedLogitsLoss.forward, x=x_grad, varargs=_param_grads(ctx))
-
-
-def tile_mlps(model, shards="auto"):
-    """Run every module named `mlp` in `model` through `TiledMLP`, without editing model code.
-
-    Each MLP's own forward is called per tile (gate/up/down Llama MLPs and any token-wise MLP alike),
-    through an instance attribute that shadows the class's forward, so other models of the same class
-    are untouched. `shards` is an int or "auto" (`ceil(sl / h)`, agreed over ranks). The MLP must
-    return one tensor (MoE blocks that also return router logits are not supported). Idempotent;
-    returns how many MLPs run tiled after the call.
-    """
-    if shards != "auto":
-        _positive_int(shards, "shards")
-    count = 0
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] != "mlp":
-            continue
-        if "_ds_ulysses_untiled_forward" not in module.__dict__:
-            module._ds_ulysses_untiled_forward = module.__dict__.get("forward", _MISSING)
-            module.forward = functools.partial(_tiled_mlp_forward, module, module.forward)
-        module._ds_ulysses_shards = shards
-        count += 1
-    return count
-
-
-def untile_mlps(model):
-    """Undo `tile_mlps`: restore each MLP's forward. Idempotent; returns how many were restored."""
-    count = 0
-    for module in model.modules():
-        previous = module.__dict__.pop("_ds_ulysses_untiled_forward", None)
-        if previous is None:
-            continue
-        del module.forward
-        if previous is not _MISSING:
-            module.forward = previous
-        module.__dict__.pop("_ds_ulysses_shards", None)
-        count += 1
-    return count
-
-
-def _tiled_mlp_forward(module, forward, x, *args, **kwargs):
-    return TiledMLP.apply(lambda _module, tile: forward(tile, *args, **kwargs), module, x,
-                          module._ds_ulysses_shards, None)
 
 
 def _vocab_size(module):

@@ -88,7 +88,7 @@ def test_offload_equals_plain_model_and_moves_each_layer_input(bs, moves):
 
 
 def test_offload_composes_with_tiled_mlps(moves):
-    from ds_ulysses.tiled import tile_mlps
+    from ds_ulysses.mlp_tiling import tile_mlps
 
     packed, _ = moves
     model = tiny_llama()

@@ -28,9 +28,8 @@ from ds_ulysses.tiled import (
     auto_loss_shards,
     auto_mlp_shards,
     sequence_tiled_compute,
-    tile_mlps,
-    untile_mlps,
 )
+from ds_ulysses.mlp_tiling import tile_mlps, untile_mlps
 
 TOL = 1e-5
 # (sl, shards): dividing, not dividing, one tile, more tiles than tokens
