@@ -113,7 +113,7 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int, warmup: int, out: Pat
                     spec = {"impl": impl, "seq_len": seq_len, "sp": sp, "steps": steps, "warmup": warmup,
                             "packed_docs": packed_docs, "model": model or {}, "section": section}
                     begin = time.monotonic()
-                    ranks = launch(spec, sp, out.parent / "launches", timeout)
+                    ranks = launch(spec, sp, Path(tempfile.gettempdir()) / "ds_ulysses_bench", timeout)
                     record = {**spec, "variant": variant, "name": impl_name(impl, variant), "rep": rep,
                               "ranks": ranks}
                     with open(out, "a") as f:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["ModelDims", "Setup", "KNOWN_MODELS", "load_dims", "layer_units", "breakdown", "fits", "recommend",
-           "max_seq_len", "ulysses_section", "add_arguments", "run_command"]
+           "max_seq_len", "cpu_rss", "ulysses_section", "add_arguments", "run_command"]
 
 GIB = float(1 << 30)
 _LOGITS_BUDGET = 1 << 30  # the tiled loss's "auto" budget: 1 GiB of fp32 logits per tile
@@ -197,6 +197,34 @@ def max_seq_len(dims: ModelDims, gpus: int, gpu_mem: float, cpu_mem: float | Non
         lo, hi = (mid, hi) if ok(mid * 1024) else (lo, mid)
     s = lo * 1024
     return s, (recommend(dims, s, gpus, gpu_mem, cpu_mem, act_bytes, overhead) if s else None)
+
+
+def cpu_rss(dims: ModelDims, seq_len: int, sp: int, section: dict, baseline: float) -> float:
+    """Predicted RSS high-water mark of one CPU rank training with ``section`` (fp32, ZeRO-3 with
+    parameters and optimizer offloaded, as in ``ds-ulysses bench``).
+
+    CPU memory is device and host at once, so both sides add up, plus ``baseline`` (the measured RSS
+    of the runtime itself: interpreter, torch, DeepSpeed, Transformers, gloo) and the unpartitioned
+    fp32 model every rank builds before ZeRO-3 partitions it (DeepSpeed #7458). The "auto" tile
+    counts are the package's own rules (``ceil(sl_l / h)`` MLP tiles, 1 GiB of fp32 logits a tile).
+    """
+    from .config import UlyssesConfig
+
+    cfg = UlyssesConfig.from_dict({**section, "sequence_parallel_size": sp})
+    local = max(1, seq_len // sp)
+
+    def tiles(tool, auto):
+        if not tool.enabled:
+            return 1
+        return auto if tool.shards == "auto" else int(tool.shards)
+
+    offload = cfg.activation_checkpoint_offload.enabled
+    setup = Setup(seq_len, sp, sp, 4, checkpointing=offload, ckpt_offload=offload,
+                  tiled_mlp=tiles(cfg.tiled_mlp, math.ceil(local / dims.hidden)),
+                  tiled_loss=tiles(cfg.tiled_loss, max(1, math.ceil(local * dims.vocab * 4 / _LOGITS_BUDGET))),
+                  offload_optimizer=True, offload_param=True)
+    terms = breakdown(dims, setup)
+    return baseline + 4 * dims.params + sum(d + h for d, h in terms.values())
 
 
 def ulysses_section(setup: Setup) -> dict:

@@ -1,0 +1,108 @@
+"""The memory planner: its terms move the way the ALST tools say they should, and its plans are valid."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ds_ulysses import cli
+from ds_ulysses.config import UlyssesConfig, parse_ds_config
+from ds_ulysses.planner import (GIB, KNOWN_MODELS, Setup, breakdown, load_dims, max_seq_len, recommend,
+                                ulysses_section)
+
+LLAMA8B = KNOWN_MODELS["llama-3.1-8b"]
+
+
+def device_total(dims, setup) -> float:
+    return sum(d for d, _ in breakdown(dims, setup).values())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_monotonic_in_sequence_length(checkpointing):
+    totals = [device_total(LLAMA8B, Setup(s, 8, 8, checkpointing=checkpointing)) for s in (8192, 32768, 131072, 524288)]
+    assert totals == sorted(totals) and len(set(totals)) == len(totals)
+
+
+def test_sequence_parallelism_divides_activations():
+    one = breakdown(LLAMA8B, Setup(65536, 8, 1))
+    eight = breakdown(LLAMA8B, Setup(65536, 8, 8))
+    for term in ("checkpointed layer inputs", "layer recompute + backward", "logits + loss"):
+        assert eight[term][0] == pytest.approx(one[term][0] / 8, rel=1e-3)
+
+
+def test_tiled_loss_divides_logits_by_the_tile_count():
+    base = breakdown(LLAMA8B, Setup(65536, 1, 1))["logits + loss"][0]
+    for tiles in (2, 8, 64):
+        assert breakdown(LLAMA8B, Setup(65536, 1, 1, tiled_loss=tiles))["logits + loss"][0] == pytest.approx(base / tiles)
+
+
+def test_tiled_mlp_only_shrinks_the_layer_working_set():
+    plain, tiled = (breakdown(LLAMA8B, Setup(65536, 1, 1, tiled_mlp=t)) for t in (1, 16))
+    assert tiled["layer recompute + backward"][0] < plain["layer recompute + backward"][0]
+    assert tiled["logits + loss"] == plain["logits + loss"]
+    assert tiled["checkpointed layer inputs"] == plain["checkpointed layer inputs"]
+
+
+def test_checkpoint_offload_moves_layer_inputs_to_the_host():
+    on_device = breakdown(LLAMA8B, Setup(65536, 1, 1))["checkpointed layer inputs"]
+    offloaded = breakdown(LLAMA8B, Setup(65536, 1, 1, ckpt_offload=True))["checkpointed layer inputs"]
+    assert offloaded == (0.0, on_device[0])
+    # 32 layers x 64K tokens x 4096 x bf16
+    assert on_device[0] == 32 * 65536 * 4096 * 2
+
+
+def test_checkpointing_saves_more_than_it_costs():
+    assert device_total(LLAMA8B, Setup(65536, 1, 1, checkpointing=True)) < \
+        device_total(LLAMA8B, Setup(65536, 1, 1, checkpointing=False)) / 3
+
+
+def test_llama_8b_numbers_are_sane():
+    assert LLAMA8B.params == pytest.approx(8.03e9, rel=0.01)
+    # ZeRO-3 without offload: fp32 master + Adam + fp32 grads = 16 bytes per parameter, over 8 GPUs
+    states = breakdown(LLAMA8B, Setup(4096, 8, 1, offload_optimizer=False))["gradients + optimizer states"]
+    assert states[0] == pytest.approx(16 * LLAMA8B.params / 8)
+
+
+@pytest.mark.parametrize("gpus,paper", [(1, 500_000), (8, 3_700_000), (32, 15_000_000)])
+def test_max_length_close_to_the_alst_paper(gpus, paper):
+    """ALST (arXiv 2506.13996) reports these maxima for Llama-3.1-8B on H100 80GB; within 15%."""
+    seq_len, setup = max_seq_len(LLAMA8B, gpus, 80 * GIB)
+    assert seq_len == pytest.approx(paper, rel=0.15)
+    assert setup.sp == gpus and setup.ckpt_offload and setup.tiled_mlp > 1 and setup.tiled_loss > 1
+
+
+def test_recommendation_prefers_no_tools_when_short_and_none_when_impossible():
+    short = recommend(LLAMA8B, 2048, 8, 80 * GIB)
+    assert short.sp == 1 and not short.ckpt_offload
+    assert recommend(LLAMA8B, 50_000_000, 8, 80 * GIB) is None
+
+
+def test_written_section_is_valid(tmp_path, capsys):
+    section = ulysses_section(Setup(1 << 20, 8, 8, ckpt_offload=True, tiled_mlp=32, tiled_loss=16))
+    cfg = UlyssesConfig.from_dict(section)
+    assert (cfg.sp, cfg.tiled_mlp.shards, cfg.tiled_loss.shards) == (8, 32, 16)
+    out = tmp_path / "plan.json"
+    code = cli.main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--seq-len", "1M", "--gpus", "8",
+                     "--gpu-mem", "80", "--write", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "| term | device GiB | host GiB |" in printed and "total per rank" in printed
+    _, parsed = parse_ds_config(str(out))
+    assert parsed.sp in (2, 4, 8)  # 1M tokens cannot fit without SP
+    assert json.loads(out.read_text())["zero_optimization"]["stage"] == 3
+
+
+def test_model_from_a_config_directory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "vocab_size": 32000}))
+    assert load_dims(str(tmp_path)) == KNOWN_MODELS["ds-ulysses-bench"]
+
+
+def test_unknown_model_and_impossible_plan_exit_codes(capsys):
+    with pytest.raises(ValueError, match="neither a known name"):
+        load_dims("no-such-model")
+    assert cli.main(["plan", "--model", "no-such-model", "--seq-len", "4K", "--gpus", "1", "--gpu-mem", "80"]) == 2
+    assert cli.main(["plan", "--model", "llama-3.1-8b", "--seq-len", "100M", "--gpus", "1", "--gpu-mem", "80"]) == 1
+    assert "nothing fits" in capsys.readouterr().err
