@@ -96,6 +96,30 @@ def _run_plan(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    from ds_ulysses.export import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from ds_ulysses.export import run_command
+
+    return run_command(args)
+
+
+def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    from ds_ulysses.evaluate import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from ds_ulysses.evaluate import run_command
+
+    return run_command(args)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "validate": Subcommand("check a DeepSpeed config's \"ulysses\" section against the schema",
                            _add_validate_arguments, _run_validate),
@@ -103,6 +127,10 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                         _add_bench_arguments, _run_bench),
     "plan": Subcommand("predict per-GPU memory and recommend sp, tiles and switches for a sequence length",
                        _add_plan_arguments, _run_plan),
+    "export": Subcommand("write a training checkpoint as a plain HF save_pretrained directory (no SP, no DeepSpeed)",
+                         _add_export_arguments, _run_export),
+    "eval": Subcommand("held-out loss by token position of a saved HF model (CSV + PNG)",
+                       _add_eval_arguments, _run_eval),
 }
 
 
