@@ -113,11 +113,16 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int, warmup: int, out: Pat
                     spec = {"impl": impl, "seq_len": seq_len, "sp": sp, "steps": steps, "warmup": warmup,
                             "packed_docs": packed_docs, "model": model or {}, "section": section}
                     begin = time.monotonic()
-                    ranks = launch(spec, sp, Path(tempfile.gettempdir()) / "ds_ulysses_bench", timeout)
-                    record = {**spec, "variant": variant, "name": impl_name(impl, variant), "rep": rep,
-                              "ranks": ranks}
+                    record = {**spec, "variant": variant, "name": impl_name(impl, variant), "rep": rep}
+                    try:
+                        record["ranks"] = launch(spec, sp, Path(tempfile.gettempdir()) / "ds_ulysses_bench", timeout)
+                    except RuntimeError as exc:  # keep going: one broken configuration must not void the suite
+                        record["error"] = str(exc)[-2000:]
+                        log(f"{record['name']:>24} S={seq_len:>6} sp={sp}: FAILED ({str(exc).splitlines()[-1]})")
                     with open(out, "a") as f:
                         f.write(json.dumps(record) + "\n")
+                    if "error" in record:
+                        continue
                     records.append(record)
                     times = [max(t) for t in zip(*(r["times"] for r in ranks))]
                     log(f"{record['name']:>24} S={seq_len:>6} sp={sp} packed={packed_docs} rep={rep}: "
@@ -130,7 +135,7 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int, warmup: int, out: Pat
 def summarize(records: list[dict]) -> dict:
     """(name, S, sp, packed) -> medians and per-layer communication (see the module docstring)."""
     groups: dict = {}
-    for rec in records:
+    for rec in (r for r in records if "error" not in r):
         key = (rec["name"], rec["seq_len"], rec["sp"], rec.get("packed_docs", 0))
         groups.setdefault(key, []).append(rec)
     out = {}
