@@ -236,7 +236,8 @@ def check_compatible(manifest: Manifest, directory, *, dp: int, sp: int, world_s
         fixes.append("pass the same --tokenizer")
     if data is not None and manifest.data != data:
         diffs.append(f"data position: checkpoint {manifest.data}, this job {data}")
-        fixes.append("keep train_micro_batch_size_per_gpu and gradient_accumulation_steps of the checkpoint's run")
+        fixes.append("keep the checkpoint run's --eval-samples, train_micro_batch_size_per_gpu and "
+                     "gradient_accumulation_steps")
     if diffs:
         raise CheckpointError(
             f"checkpoint {directory} does not match this job: " + "; ".join(diffs) + ". fix: " + ", ".join(fixes)

@@ -30,14 +30,30 @@ from .data import UlyssesSPDataLoaderAdapter
 from .mesh import Mesh
 from .tiled import agree_on_shards, auto_loss_shards
 
-__all__ = ["PositionLoss", "evaluate_positions", "add_arguments", "run_command"]
+__all__ = ["PositionLoss", "bucket_edges", "evaluate_positions", "buckets_arg", "add_arguments", "run_command"]
+
+
+def bucket_edges(buckets: int | str, max_positions: int) -> torch.Tensor:
+    """Bucket boundaries ``[nb + 1]`` covering ``[0, max_positions)``.
+
+    ``"log2"``: ``[0, 1), [1, 2), [2, 4), ...``: the first tokens, where the loss falls fastest as
+    context accumulates, get their own buckets, and the long tail is averaged over many tokens so
+    content noise does not swamp it. An int: buckets of that many positions.
+    """
+    if buckets == "log2":
+        edges = [0] + [1 << k for k in range(max(1, math.ceil(math.log2(max(max_positions, 2)))) + 1)]
+        return torch.tensor(edges[:next(i for i, e in enumerate(edges) if e >= max_positions) + 1])
+    if isinstance(buckets, int) and not isinstance(buckets, bool) and buckets > 0:
+        return torch.arange(0, math.ceil(max_positions / buckets) + 1) * buckets
+    raise ValueError(f"buckets: expected \"log2\" or a positive number of positions per bucket, got {buckets!r}; "
+                     "fix: pass --buckets log2 or e.g. --buckets 1024")
 
 
 @dataclass
 class PositionLoss:
-    """Per-bucket loss sums and token counts; bucket ``b`` holds positions ``[b*size, (b+1)*size)``."""
+    """Per-bucket loss sums and token counts; bucket ``b`` holds positions ``[edges[b], edges[b+1])``."""
 
-    bucket_size: int
+    edges: torch.Tensor  # [nb + 1] int64
     sums: torch.Tensor  # [nb] float64
     counts: torch.Tensor  # [nb] int64
 
@@ -52,7 +68,8 @@ class PositionLoss:
 
     def rows(self) -> list[tuple[int, int, int, float]]:
         """``(first position, last position, tokens, mean loss)`` of each non-empty bucket."""
-        return [(b * self.bucket_size, (b + 1) * self.bucket_size - 1, int(n), float(m))
+        edges = self.edges.tolist()
+        return [(edges[b], edges[b + 1] - 1, int(n), float(m))
                 for b, (n, m) in enumerate(zip(self.counts.tolist(), self.mean.tolist())) if n > 0]
 
     def write_csv(self, path) -> Path:
@@ -73,8 +90,13 @@ class PositionLoss:
         fig = Figure(figsize=(7, 3.6), dpi=100)
         FigureCanvasAgg(fig)
         ax = fig.subplots()
-        ax.plot([(a + b + 1) / 2 for a, b, _, _ in rows], [m for *_, m in rows], marker="o", markersize=3)
-        ax.set_xlabel("token position")
+        widths = (self.edges[1:] - self.edges[:-1]).tolist()
+        log = len(set(widths)) > 1  # log2 buckets: positions on a log axis, each bucket at its start
+        ax.plot([max(a, 1) if log else (a + b + 1) / 2 for a, b, _, _ in rows], [m for *_, m in rows],
+                marker="o", markersize=3)
+        if log:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel("token position" + (" (bucket start; position 0 drawn at 1)" if log else ""))
         ax.set_ylabel("mean cross-entropy (nats)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -107,7 +129,7 @@ def _token_losses(model, batch: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_positions(model, samples, mesh: Mesh | None = None, bucket_size: int = 1024,
+def evaluate_positions(model, samples, mesh: Mesh | None = None, buckets: int | str = "log2",
                        max_positions: int | None = None, pad_token_id: int = 0) -> PositionLoss:
     """Loss by position of ``samples`` (dicts of ``input_ids`` and ``labels``, ``[sl]`` each).
 
@@ -125,7 +147,8 @@ def evaluate_positions(model, samples, mesh: Mesh | None = None, bucket_size: in
                          f"{max(mesh.world_size, len(samples) // mesh.world_size * mesh.world_size)} samples")
     if max_positions is None:
         max_positions = max(len(s["input_ids"]) for s in samples)
-    nb = math.ceil(max_positions / bucket_size)
+    edges = bucket_edges(buckets, max_positions)
+    nb = len(edges) - 1
     sampler = DistributedSampler(samples, num_replicas=mesh.world_size, rank=mesh.rank, shuffle=False)
     loader = UlyssesSPDataLoaderAdapter(DataLoader(samples, batch_size=1, sampler=sampler), mesh.sp_rank,
                                         mesh.sp_group, mesh.sp, "cpu", pad_token_id=pad_token_id)
@@ -138,18 +161,23 @@ def evaluate_positions(model, samples, mesh: Mesh | None = None, bucket_size: in
             losses = _token_losses(model, batch)  # [bs sl_l]
             valid = batch["shift_labels"] != -100
             positions = batch["position_ids"][valid]
-            if positions.numel() and int(positions.max()) >= nb * bucket_size:
+            if positions.numel() and int(positions.max()) >= int(edges[-1]):
                 raise ValueError(f"evaluate_positions: expected positions below max_positions={max_positions}, "
                                  f"got {int(positions.max())}; fix: pass max_positions >= the longest sample")
-            buckets = positions // bucket_size
-            sums.index_add_(0, buckets, losses[valid].double())
-            counts.index_add_(0, buckets, torch.ones_like(buckets))
+            index = torch.bucketize(positions, edges, right=True) - 1  # edges[i] <= p < edges[i+1]
+            sums.index_add_(0, index, losses[valid].double())
+            counts.index_add_(0, index, torch.ones_like(index))
     finally:
         model.train(was_training)
     if mesh.world_size > 1:
         dist.all_reduce(sums)
         dist.all_reduce(counts)
-    return PositionLoss(bucket_size, sums, counts)
+    return PositionLoss(edges, sums, counts)
+
+
+def buckets_arg(text: str) -> int | str:
+    """``--buckets``: "log2" or a positive int (validated by :func:`bucket_edges`)."""
+    return text if text == "log2" else int(text)
 
 
 def add_arguments(parser) -> None:
@@ -157,7 +185,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("model", metavar="MODEL_DIR", help="local HF model directory (e.g. from ds-ulysses export)")
     parser.add_argument("--seq-len", type=int, default=16384, help="tokens per held-out sequence")
     parser.add_argument("--samples", type=int, default=2, help="held-out sequences (the first of the corpus)")
-    parser.add_argument("--bucket-size", type=int, default=1024, help="positions per bucket")
+    parser.add_argument("--buckets", type=buckets_arg, default="log2",
+                        help="log2 (positions 0, 1, 2-3, 4-7, ...) or N positions per bucket")
     parser.add_argument("--data", nargs="+", metavar="FILE", help="text or JSONL files; default: the stdlib source")
     parser.add_argument("--tokenizer", help="local HF tokenizer directory; default: bytes")
     parser.add_argument("--out", default=None, help="directory for loss_by_position.csv/.png (default: MODEL_DIR/eval)")
@@ -179,7 +208,7 @@ def run_command(args) -> int:
     except (OSError, ValueError) as exc:
         print(f"eval: {exc}", file=sys.stderr)
         return 2
-    result = evaluate_positions(model, samples, None, args.bucket_size, pad_token_id=tokenizer.pad_id)
+    result = evaluate_positions(model, samples, None, args.buckets, pad_token_id=tokenizer.pad_id)
     out = Path(args.out) if args.out else Path(args.model) / "eval"
     csv_path = result.write_csv(out / "loss_by_position.csv")
     result.plot(out / "loss_by_position.png", f"held-out loss by position ({args.samples} x {args.seq_len} tokens, no SP)")

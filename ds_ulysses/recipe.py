@@ -5,7 +5,8 @@ Data position: each rank's loader reads a distinct sample per refill and its SP 
 the ``sp`` samples of the refill one micro-batch at a time, so a refill consumes ``world * mbs``
 consecutive samples (DistributedSampler, no shuffle) and yields ``sp`` micro-batches. After ``m``
 micro-batches the next sample is ``(m // sp) * world * mbs`` and the refill in progress has had
-``m % sp`` micro-batches taken: a resumed run starts its data there and skips those.
+``m % sp`` micro-batches taken: a resumed run starts its data there and skips those. The first
+``held_out`` samples of the stream are the evaluation's, so training starts after them.
 """
 
 from __future__ import annotations
@@ -60,11 +61,11 @@ def set_cpu_threads() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
 
 
-def data_position(step: int, grad_accum: int, sp: int, world_size: int, micro_batch: int) -> dict:
-    """Where the data of optimizer step ``step`` starts (see the module docstring)."""
+def data_position(step: int, grad_accum: int, sp: int, world_size: int, micro_batch: int, held_out: int) -> dict:
+    """Where in the sample stream the data of optimizer step ``step`` starts (see the module docstring)."""
     micro = step * grad_accum
-    return {"sample_offset": (micro // sp) * world_size * micro_batch, "skip_micro_batches": micro % sp,
-            "gradient_accumulation_steps": grad_accum, "micro_batch_size": micro_batch}
+    return {"sample_offset": held_out + (micro // sp) * world_size * micro_batch, "skip_micro_batches": micro % sp,
+            "held_out_samples": held_out, "gradient_accumulation_steps": grad_accum, "micro_batch_size": micro_batch}
 
 
 def samples_needed(steps: int, grad_accum: int, sp: int, world_size: int, micro_batch: int) -> int:

@@ -18,7 +18,7 @@ import ds_ulysses
 from ds_ulysses import checkpoint as ckpt
 from ds_ulysses.config import parse_ds_config
 from ds_ulysses.corpus import PackedSamples, file_texts, load_tokenizer, stdlib_texts
-from ds_ulysses.evaluate import evaluate_positions
+from ds_ulysses.evaluate import buckets_arg, evaluate_positions
 from ds_ulysses.progress import ProgressLine
 from ds_ulysses.recipe import build_model, data_position, samples_needed, set_cpu_threads
 
@@ -37,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer", help="local HF tokenizer directory; default: bytes")
     p.add_argument("--model", help="local HF model directory; default: a tiny Llama built from config")
     p.add_argument("--eval-samples", type=int, help="held-out sequences for loss by position (default: world size)")
-    p.add_argument("--bucket-size", type=int, default=1024, help="positions per bucket of the evaluation")
+    p.add_argument("--buckets", type=buckets_arg, default="log2", help="evaluation buckets: log2, or N positions each")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -54,20 +54,20 @@ def train(argv=None) -> dict:
     model = build_model(args.model, tokenizer, section.attn_implementation if section else "sdpa", args.seed)
     model_hash = ckpt.model_fingerprint(model.config)
 
-    start, position, resume_dir = 0, data_position(0, gas, sp, world, mbs), None
+    n_eval = world if args.eval_samples is None else args.eval_samples
+    start, position, resume_dir = 0, data_position(0, gas, sp, world, mbs, n_eval), None
     if args.resume is not None:
         resume_dir = ckpt.find_checkpoint(args.resume or f"{args.out}/checkpoints")
         manifest = ckpt.verify_checkpoint(resume_dir)
         ckpt.check_compatible(manifest, resume_dir, dp=dp, sp=sp, world_size=world, model_hash=model_hash,
                               seq_len=args.seq_len, tokenizer=tokenizer.source,
-                              data=data_position(manifest.step, gas, sp, world, mbs))
+                              data=data_position(manifest.step, gas, sp, world, mbs, n_eval))
         start, position = manifest.step, manifest.data
 
-    n_eval = world if args.eval_samples is None else args.eval_samples
     n_train = samples_needed(max(args.steps, start), gas, sp, world, mbs)
     texts = (lambda: file_texts(args.data)) if args.data else stdlib_texts
     corpus = PackedSamples(texts, tokenizer, args.seq_len, n_eval + n_train)
-    train_set = corpus.subset(n_eval + position["sample_offset"])
+    train_set = corpus.subset(position["sample_offset"])
     engine, _, loader, _ = ds_ulysses.initialize(model=model, config=args.deepspeed_config, training_data=train_set)
     if resume_dir is not None:
         ckpt.load_checkpoint(engine, resume_dir, manifest)
@@ -88,12 +88,12 @@ def train(argv=None) -> dict:
         if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
             saved = ckpt.save_checkpoint(
                 engine, f"{args.out}/checkpoints", step + 1, model_config=model.config, seq_len=args.seq_len,
-                tokenizer=tokenizer.source, data=data_position(step + 1, gas, sp, world, mbs),
+                tokenizer=tokenizer.source, data=data_position(step + 1, gas, sp, world, mbs, n_eval),
                 hf_tokenizer=getattr(tokenizer, "tokenizer", None))
 
     result = None
     if n_eval:
-        result = evaluate_positions(engine.module, corpus.subset(0, n_eval), engine.mpu, args.bucket_size,
+        result = evaluate_positions(engine.module, corpus.subset(0, n_eval), engine.mpu, args.buckets,
                                     pad_token_id=tokenizer.pad_id)
         if dist.get_rank() == 0:
             csv = result.write_csv(f"{args.out}/eval/loss_by_position.csv")
