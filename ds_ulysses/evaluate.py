@@ -91,12 +91,13 @@ class PositionLoss:
         FigureCanvasAgg(fig)
         ax = fig.subplots()
         widths = (self.edges[1:] - self.edges[:-1]).tolist()
-        log = len(set(widths)) > 1  # log2 buckets: positions on a log axis, each bucket at its start
-        ax.plot([max(a, 1) if log else (a + b + 1) / 2 for a, b, _, _ in rows], [m for *_, m in rows],
-                marker="o", markersize=3)
+        log = len(set(widths)) > 1  # log2 buckets go on a log axis, each at its geometric middle
+        # x is the context a prediction had: position p has seen p + 1 tokens
+        xs = [math.sqrt((a + 1) * (b + 1)) if log else (a + b) / 2 + 1 for a, b, _, _ in rows]
+        ax.plot(xs, [m for *_, m in rows], marker="o", markersize=3)
         if log:
             ax.set_xscale("log", base=2)
-        ax.set_xlabel("token position" + (" (bucket start; position 0 drawn at 1)" if log else ""))
+        ax.set_xlabel("context: tokens seen before the predicted one (position + 1)")
         ax.set_ylabel("mean cross-entropy (nats)")
         ax.set_title(title)
         ax.grid(alpha=0.3)

@@ -47,11 +47,14 @@ def train(argv=None) -> dict:
     set_cpu_threads()
     deepspeed.init_distributed()
     ds_config, section = parse_ds_config(args.deepspeed_config)
+    if section is None:
+        raise ValueError(f"{args.deepspeed_config}: expected a \"ulysses\" section, got none; fix: add "
+                         "\"ulysses\": {\"sequence_parallel_size\": 1} (or more) next to zero_optimization")
     world = dist.get_world_size()
-    dp, sp = section.mesh(world) if section else (world, 1)
+    dp, sp = section.mesh(world)
     mbs, gas = ds_config.get("train_micro_batch_size_per_gpu", 1), ds_config.get("gradient_accumulation_steps", 1)
     tokenizer = load_tokenizer(args.tokenizer)
-    model = build_model(args.model, tokenizer, section.attn_implementation if section else "sdpa", args.seed)
+    model = build_model(args.model, tokenizer, section.attn_implementation, args.seed)
     model_hash = ckpt.model_fingerprint(model.config)
 
     n_eval = world if args.eval_samples is None else args.eval_samples
