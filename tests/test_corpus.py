@@ -88,3 +88,17 @@ def test_bad_inputs_say_what_and_how_to_fix(tmp_path):
         PackedSamples(lambda: iter(()), ByteVocab(), 8, 1)[0]
     with pytest.raises(ValueError, match="at least 2 tokens"):
         PackedSamples(stdlib_texts, ByteVocab(), 1, 1)
+
+
+def test_local_hf_tokenizer_directory(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({"[UNK]": 0, "<eos>": 1, "hello": 2, "world": 3}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="[UNK]").save_pretrained(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    assert (tok.vocab_size, tok.eos_id, tok.pad_id, tok.source) == (4, 1, 1, str(tmp_path))
+    assert tok.encode("hello world hello") == [2, 3, 2]
+    samples = PackedSamples(lambda: iter(["hello world", "world"]), tok, 3, 2)
+    assert [samples[i]["input_ids"].tolist() for i in range(2)] == [[2, 3, 1], [3, 1, 2]]
