@@ -12,8 +12,9 @@ Layout under ``root`` (e.g. ``runs/demo/checkpoints``)::
 A save writes everything into the temp directory, then rank 0 writes the manifest and renames the
 directory, which is atomic on one filesystem: a crash at any point leaves the previous checkpoint as
 the latest complete one. Loading verifies every file against the manifest's checksums and the
-mesh and model against the running job before DeepSpeed reads anything, and DeepSpeed's reads are
-done with ``torch.load(weights_only=True)`` (its two bookkeeping classes allowed by name).
+mesh and model against the running job before DeepSpeed reads anything (a file a power loss left
+short is caught, not unpickled), and DeepSpeed's reads are done with
+``torch.load(weights_only=True)`` (its two bookkeeping classes allowed by name).
 The directory must be on a filesystem every rank sees (one node here).
 """
 
@@ -119,8 +120,20 @@ def _save_rng(directory: Path) -> None:
 
 def _write_manifest(directory: Path, manifest: Manifest) -> None:
     tmp = directory / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(manifest), indent=2, sort_keys=True), encoding="utf-8")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(json.dumps(dataclasses.asdict(manifest), indent=2, sort_keys=True))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, directory / MANIFEST)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename durable: the directory entry itself must reach the disk."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_checkpoint(engine, root, step: int, *, model_config, seq_len: int, tokenizer: str, data: dict,
@@ -158,6 +171,7 @@ def save_checkpoint(engine, root, step: int, *, model_config, seq_len: int, toke
             shutil.rmtree(trash)
         else:
             os.rename(tmp, final)
+        _fsync_dir(root)
         for old in _complete(root)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old)
     _barrier()
