@@ -25,7 +25,12 @@ DEFAULT_MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2
 
 
 def build_model(path, tokenizer, attn_implementation: str = "sdpa", seed: int = 0):
-    """The default tiny Llama sized to ``tokenizer``, or the HF model saved in the local directory ``path``."""
+    """The default tiny Llama sized to ``tokenizer``, or the HF model saved in the local directory ``path``.
+
+    A ``path`` model is loaded whole on every rank and partitioned by ZeRO-3 afterwards (DeepSpeed
+    #7458): fine while one copy fits in a rank's host memory. Partitioning while loading needs
+    Transformers' ``HfDeepSpeedConfig`` alive around ``from_pretrained``, which requires accelerate.
+    """
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(seed)
