@@ -41,8 +41,10 @@ def bucket_edges(buckets: int | str, max_positions: int) -> torch.Tensor:
     content noise does not swamp it. An int: buckets of that many positions.
     """
     if buckets == "log2":
-        edges = [0] + [1 << k for k in range(max(1, math.ceil(math.log2(max(max_positions, 2)))) + 1)]
-        return torch.tensor(edges[:next(i for i, e in enumerate(edges) if e >= max_positions) + 1])
+        edges = [0, 1]
+        while edges[-1] < max_positions:
+            edges.append(2 * edges[-1])
+        return torch.tensor(edges)
     if isinstance(buckets, int) and not isinstance(buckets, bool) and buckets > 0:
         return torch.arange(0, math.ceil(max_positions / buckets) + 1) * buckets
     raise ValueError(f"buckets: expected \"log2\" or a positive number of positions per bucket, got {buckets!r}; "
