@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["add_arguments", "run_command", "launch", "run_suite", "summarize", "impl_name", "parse_size"]
+__all__ = ["add_arguments", "run_command", "launch", "run_suite", "run_layer_suite", "summarize", "impl_name",
+           "parse_size"]
 
 _IMPLS = ("deepspeed", "ours-dropin", "ours")
 
@@ -124,6 +125,7 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int, warmup: int, out: Pat
                     if "error" in record:
                         continue
                     records.append(record)
+                    ranks = record["ranks"]
                     times = [max(t) for t in zip(*(r["times"] for r in ranks))]
                     log(f"{record['name']:>24} S={seq_len:>6} sp={sp} packed={packed_docs} rep={rep}: "
                         f"step {statistics.median(times) if times else float('nan'):.2f}s, "
@@ -132,10 +134,27 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int, warmup: int, out: Pat
     return records
 
 
+def run_layer_suite(seq_lens, sps, iters: int, out: Path, timeout: float = 1800.0, log=print) -> list[dict]:
+    """The attention layer alone (:mod:`ds_ulysses.bench_layer`): both wrappers interleaved per iteration."""
+    records = []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for seq_len in seq_lens:
+        for sp in sps:
+            spec = {"impl": "layer", "seq_len": seq_len, "sp": sp, "iters": iters}
+            result = launch(spec, sp, Path(tempfile.gettempdir()) / "ds_ulysses_bench", timeout)[0]
+            record = {**spec, "kind": "layer", "name": "layer", "result": result}
+            with open(out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            records.append(record)
+            log(f"attention layer S={seq_len} sp={sp}: " + ", ".join(
+                f"{k[:-2]} {v:.3f}s" for k, v in result.items() if k.endswith("_s")))
+    return records
+
+
 def summarize(records: list[dict]) -> dict:
     """(name, S, sp, packed) -> medians and per-layer communication (see the module docstring)."""
     groups: dict = {}
-    for rec in (r for r in records if "error" not in r):
+    for rec in (r for r in records if "error" not in r and r.get("kind") != "layer"):
         key = (rec["name"], rec["seq_len"], rec["sp"], rec.get("packed_docs", 0))
         groups.setdefault(key, []).append(rec)
     out = {}
@@ -182,6 +201,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                         "every record in --out to DIR")
     parser.add_argument("--report-only", action="store_true", help="skip running; only --report")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
+    parser.add_argument("--layer-iters", type=int, default=0, metavar="N",
+                        help="instead of training steps, time the attention layer alone (both wrappers "
+                             "interleaved in one process group) for N iterations")
 
 
 def _parse_pairs(pairs, what: str, value=json.loads) -> dict:
@@ -212,7 +234,9 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"ds-ulysses bench: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    if not args.report_only:
+    if args.layer_iters > 0 and not args.report_only:
+        run_layer_suite(seq_lens, args.sp, args.layer_iters, out, args.timeout)
+    elif not args.report_only:
         records = run_suite(seq_lens, args.sp, args.impl, args.reps, args.steps, args.warmup, out,
                             args.packed_docs, model, variants, args.timeout)
         print(format_summary(summarize(records)))

@@ -266,7 +266,12 @@ def main(argv: list[str] | None = None) -> int:
                          "`ds-ulysses bench`, which writes the spec and sets RANK/WORLD_SIZE")
     with open(argv[0]) as f:
         spec = json.load(f)
-    result = run(spec)
+    if spec["impl"] == "layer":
+        from .bench_layer import run as run_layer
+
+        result = run_layer(spec["seq_len"], spec["iters"])
+    else:
+        result = run(spec)
     with open(f"{argv[0]}.rank{os.environ['RANK']}.json", "w") as f:
         json.dump(result, f)
     return 0
