@@ -10,8 +10,9 @@ causally over the whole row lets tokens see the previous documents (the bug Deep
 Accelerate show under sdpa). Here each document is attended alone: documents are grouped into
 buckets of similar length (within a factor of two), each bucket runs as one batched core-attention
 call on ``[n hc_l L hs]``, so the work is ``sum(len_i * L_bucket) <= 2 * sum(len_i^2)`` scores
-instead of ``sl^2``, and the only mask ever built is ``[n 1 L L]`` for a bucket whose documents
-differ in length (or that needs a sliding window).
+instead of ``sl^2``. Documents shorter than their bucket are right-padded, which causal attention
+never lets a real token see, so the core runs unmasked (sdpa's flash kernel); the only mask ever
+built is ``[n 1 L L]`` for a bucket that needs a sliding window.
 """
 
 from __future__ import annotations
@@ -67,14 +68,14 @@ def packed_attention(core, module, query, key, value, docs: DocSpans, sliding_wi
         valid = offsets[None, :] < lens[:, None]                          # [n L]
         index = torch.where(valid, starts[:, None] + offsets[None, :], starts[:, None])
         q_b, k_b, v_b = (x[index].transpose(1, 2) for x in (q_flat, k_flat, v_flat))  # [n hc L hs]
+        # documents shorter than L are right-padded: under causal attention no real query sees a
+        # padded key, and padded queries are dropped below, so no mask is needed (and sdpa keeps its
+        # flash kernel; with a mask it falls back to the math kernel, O(L^2) memory)
         mask = None
-        uneven = bool((lens != length).any())
-        windowed = sliding_window is not None and length > sliding_window
-        if uneven or windowed:
+        if sliding_window is not None and length > sliding_window:
             causal = offsets[:, None] >= offsets[None, :]                  # [L L]
             mask = causal[None] & valid[:, None, :]                         # [n L L]
-            if windowed:
-                mask = mask & (offsets[:, None] - offsets[None, :] < sliding_window)[None]
+            mask = mask & (offsets[:, None] - offsets[None, :] < sliding_window)[None]
             mask = mask[:, None]                                            # [n 1 L L]
         positions = offsets.expand(len(bucket), length)
         out, _ = core(module, q_b, k_b, v_b, mask, position_ids=positions, **kwargs)  # [n L hc hs]
