@@ -10,9 +10,14 @@ head-sharded, the unmodified core attention (sdpa, flash_attention_2/3, flex_att
 whole sequence for this rank's heads, and one all-to-all carries the output back. Global
 position_ids are gathered once per forward (the same local tensor reaches every layer and is
 recognised), so packed documents are attended per document and RoPE-free cores still see them.
+The same gather carries each rank's verdict on its forward inputs (position_ids present, integer,
+shaped like the shard; batch size and dtype equal across ranks), so a bad input raises the same
+error on every rank before any tensor is exchanged.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -20,6 +25,8 @@ import torch.distributed as dist
 from .comm import HeadLayout, HeadsToSeq, SeqToHeads
 from .heads import plan_heads
 from .packed import find_documents, packed_attention
+from .validate import ROW_LEN, check_forward_rows, forward_row, position_verdict, verdict_ok
+from .watch import GroupWatch
 
 __all__ = ["UlyssesSPAttentionHF", "CORE_ATTENTIONS", "check_core_attention"]
 
@@ -44,14 +51,17 @@ class UlyssesSPAttentionHF(torch.nn.Module):
     Drop-in for DeepSpeed's class of the same name: same constructor and ``forward`` contract
     (q/k/v ``[bs hc sl_l hs]`` in, ``([bs sl_l em], attn_weights)`` out). Unlike it, any head count
     works for any sp <= heads, sequence shards may differ in length, and packed documents are
-    attended per document under every core.
+    attended per document under every core. Keyword-only extras: ``watch`` (the mesh's
+    ``sp_watch``: names the group and counts steps in failure messages) and ``sliding_layers``
+    (indices of layers that must receive their window as ``sliding_window``).
     """
 
     def __init__(self, attn, batch_size: int, attn_head_count: int, attn_head_size: int,
                  kv_head_count: int, num_hidden_layers: int, process_group,
                  seq_length_is_variable: bool = False, local_seq_length: int | None = None,
                  global_seq_length: int | None = None, disable_in_eval: bool = False,
-                 core_attn_implementation: str = "sdpa") -> None:
+                 core_attn_implementation: str = "sdpa", *, watch: GroupWatch | None = None,
+                 sliding_layers: frozenset = frozenset()) -> None:
         super().__init__()
         check_core_attention(core_attn_implementation)
         self.attn = attn
@@ -67,7 +77,13 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         self.local_seq_length, self.global_seq_length = local_seq_length, global_seq_length
         self.disable_in_eval = disable_in_eval
         self.heads = plan_heads(attn_head_count, kv_head_count, self.world_size)
-        self._forward_state = None  # (local position_ids, its version, gathered state)
+        self.watch = watch if watch is not None else GroupWatch.of_group(process_group)
+        self.sliding_layers = sliding_layers  # layer_idx of layers whose window must arrive as a kwarg
+        # the position_ids verdict of the model call itself, set per forward by a hook registration
+        # adds: HF decoders invent local arange positions when none are given (silently wrong under
+        # SP), and fail in RoPE before attention on a mis-shaped tensor (the hook swaps in a stand-in)
+        self.input_verdict = None
+        self._forward_state = None  # (position_ids as given, its version, gathered state)
         self._layouts: dict = {}
 
     @classmethod
@@ -82,27 +98,39 @@ class UlyssesSPAttentionHF(torch.nn.Module):
                                           disable_in_eval, mesh)
 
     # -- once per model forward -----------------------------------------------------------------
-    def _gather_positions(self, local: torch.Tensor):
+    def _gather_positions(self, given, query: torch.Tensor):
         """Global position_ids and every rank's shard length, gathered once per model forward.
 
-        Every layer receives the very same local position_ids tensor, so the first layer gathers
-        and the others (and gradient-checkpointing recomputes) reuse it.
+        Every layer receives the very same position_ids tensor, so the first layer gathers and the
+        others (and gradient-checkpointing recomputes) reuse it. The first gather also carries each
+        rank's check of its inputs, so every rank raises the same error or none does.
         """
         state = self._forward_state
-        if state is not None and state[0] is local and state[1] == local._version:
+        if state is not None and given is not None and state[0] is given and state[1] == given._version:
             return state[2]
-        bs, sl_l = local.shape
-        lens = torch.tensor([sl_l], dtype=torch.long, device=local.device)
-        all_lens = [torch.zeros_like(lens) for _ in range(self.world_size)]
-        dist.all_gather(all_lens, lens, group=self.process_group)
-        seq_lens = tuple(int(x) for x in all_lens)
+        self.watch.step += 1
+        bs, _, sl_l, _ = query.shape
+        verdict = position_verdict(given, bs, sl_l)
+        if self.input_verdict is not None and not verdict_ok(self.input_verdict):
+            verdict = self.input_verdict
+        self.input_verdict = None
+        row = torch.tensor(forward_row(query, verdict, self.attn_head_count), dtype=torch.long, device=query.device)
+        rows = [torch.empty(ROW_LEN, dtype=torch.long, device=query.device) for _ in range(self.world_size)]
+        with self.watch.collective("the attention's shard-length gather"):
+            dist.all_gather(rows, row, group=self.process_group)
+        rows = [r.tolist() for r in rows]
+        check_forward_rows(rows, self.attn_head_count,
+                           None if self.seq_length_is_variable else self.global_seq_length)
+        seq_lens = tuple(r[0] for r in rows)
+        local = given.expand(bs, sl_l) if given.shape[0] != bs else given
         padded = local.new_zeros(bs, max(seq_lens), dtype=torch.long)
         padded[:, :sl_l] = local
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(parts, padded, group=self.process_group)
+        with self.watch.collective("the attention's position_ids gather"):
+            dist.all_gather(parts, padded, group=self.process_group)
         positions = torch.cat([p[:, :n] for p, n in zip(parts, seq_lens)], dim=1)  # [bs sl]
         gathered = _Gathered(positions, seq_lens, find_documents(positions))
-        self._forward_state = (local, local._version, gathered)
+        self._forward_state = (given, given._version, gathered)
         return gathered
 
     def _layout(self, seq_lens, qkv: bool) -> HeadLayout:
@@ -123,24 +151,38 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         if self.world_size == 1 or (self.disable_in_eval and not module.training):
             return self.attn(module, query, key, value, attention_mask, *args, **kwargs)
         bs, _, sl_l, _ = query.shape
-        local_pos = kwargs.get("position_ids")
-        if local_pos is None:
-            raise ValueError(
-                "Ulysses SP needs position_ids in the model call (each rank's positions within the "
-                "whole sequence); pass the batch from UlyssesSPDataLoaderAdapter, or "
-                "position_ids = arange(sl) sharded like input_ids")
-        local_pos = local_pos.expand(bs, sl_l) if local_pos.shape[0] != bs else local_pos
-        state = self._gather_positions(local_pos)
+        state = self._gather_positions(kwargs.get("position_ids"), query)
         seq_lens = state.seq_lens
+        if self.sliding_layers and kwargs.get("sliding_window") is None:
+            self._check_window_passed(module)
 
         # [bs hc sl_l hs] -> [bs sl_l hc hs] -> all-to-all -> [bs sl hc_l hs] -> [bs hc_l sl hs]
-        q, k, v = SeqToHeads.apply(self._layout(seq_lens, True), *(x.transpose(1, 2) for x in (query, key, value)))
+        try:
+            q, k, v = SeqToHeads.apply(self._layout(seq_lens, True), *(x.transpose(1, 2) for x in (query, key, value)))
+        except RuntimeError as err:
+            self.watch.reraise("the attention's q/k/v all-to-all", err)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
         kwargs["position_ids"] = state.positions
         out, weights = self._core(module, q, k, v, state, *args, **kwargs)  # [bs sl hc_l hs]
         # [bs sl hc_l hs] -> all-to-all -> [bs sl_l hc hs] -> [bs sl_l em]
-        (out,) = HeadsToSeq.apply(self._layout(seq_lens, False), out)
+        try:
+            (out,) = HeadsToSeq.apply(self._layout(seq_lens, False), out)
+        except RuntimeError as err:
+            self.watch.reraise("the attention's output all-to-all", err)
         return out.reshape(bs, sl_l, -1), weights
+
+    def _check_window_passed(self, module) -> None:
+        """A sliding layer whose model encodes the window only in the mask (which SP drops) would
+        attend past the window; such models are refused on their first SP forward, on every rank.
+        Runs only for models with sliding layers, and only when the call carries no window."""
+        layer = getattr(module, "layer_idx", None)
+        if layer in self.sliding_layers:
+            raise ValueError(
+                f"model not servable by Ulysses SP: layer {layer} attends within a sliding window, but its "
+                "attention call passes no sliding_window (the model encodes the window only in the attention "
+                "mask, which SP replaces with global positions), so it would attend past the window and train "
+                "silently wrong; expected the window as the core attention's sliding_window argument; fix: "
+                "train without SP, or disable the window in the model config")
 
     def _core(self, module, q, k, v, state: "_Gathered", *args, **kwargs):
         groups_attr = hasattr(module, "num_key_value_groups")
@@ -159,11 +201,29 @@ class UlyssesSPAttentionHF(torch.nn.Module):
             if core == "flex_attention":
                 mask = state.flex_mask(window)
                 return self.attn(module, q, k, v, mask, *args, **kwargs)
-            # flash kernels read packing from the global position_ids (their varlen path)
-            return self.attn(module, q, k, v, None, *args, **kwargs)
+            # flash kernels read packing from the global position_ids (their varlen path) and the
+            # window from sliding_window (passed through in kwargs); Transformers' flash forward picks
+            # its kernel by the module config's attention name, which here is the SP wrapper's
+            with _core_name(module, core):
+                return self.attn(module, q, k, v, None, *args, **kwargs)
         finally:
             if groups_attr:
                 module.num_key_value_groups = saved
+
+
+@contextlib.contextmanager
+def _core_name(module, core: str):
+    """Show the core attention's own name in ``module.config`` for the duration of one core call."""
+    config = getattr(module, "config", None)
+    saved = getattr(config, "_attn_implementation_internal", None)
+    if saved is None or saved == core:
+        yield
+        return
+    config._attn_implementation_internal = core
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = saved
 
 
 class _Gathered:

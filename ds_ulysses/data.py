@@ -8,9 +8,11 @@ Each rank draws one batch from its own loader; the SP group then processes those
 after the other, each sharded over the group. A refill is one all-to-all: rank ``r`` sends peer
 ``p`` the ``p``-th sequence shard of its batch, so a rank receives ``sl`` tokens per tensor (its
 shard of each of the ws batches), where an all_gather of whole batches would deliver ``sl * ws``.
-All tensors of a batch travel in the same collective, as bytes. A small metadata exchange first
-checks that every rank's batch agrees in keys and dtypes, so a mismatch raises on every rank alike
-instead of aborting gloo or hanging NCCL.
+All tensors of a batch travel in the same collective, as bytes. A small JSON metadata exchange
+first carries each rank's verdict on its own batch (:func:`ds_ulysses.validate.check_batch`) and
+checks that every rank's batch agrees in keys and dtypes, so a bad batch raises the same error on
+every rank instead of raising on one while the others hang, or aborting gloo. Non-tensor entries
+travel as JSON too: nothing a peer sends is unpickled.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from .validate import check_batch, first_error
+from .watch import GroupWatch
+
 __all__ = ["UlyssesSPDataLoaderAdapter", "prepare_sample", "AdapterCounter"]
 
 
@@ -30,26 +35,19 @@ class AdapterCounter:
     bytes_received = 0
 
 
-def prepare_sample(batch: dict, sp_world_size: int, pad_to_multiple: bool = True, pad_token_id: int = 0) -> dict:
-    """Shift labels, add missing position_ids, pad the sequence to a multiple of ``sp_world_size``.
+def prepare_sample(batch: dict, sp_world_size: int, pad_to_multiple: bool = True, pad_token_id: int = 0,
+                   vocab_size: int | None = None) -> dict:
+    """Check the batch, shift labels, add missing position_ids, pad to a multiple of ``sp_world_size``.
 
     ``labels`` become ``shift_labels`` (left by one, ``-100`` appended) before padding, so the
     model never has to shift across a shard boundary. Padded tokens get ``-100`` labels and
     position_ids that continue the last document: causal attention never lets real tokens see them.
+    With ``vocab_size``, token ids and labels are range-checked here, where the sample is known,
+    rather than failing inside an embedding or the loss on one rank.
     """
+    check_batch(batch, vocab_size)
     batch = dict(batch)
-    if "input_ids" not in batch or not torch.is_tensor(batch["input_ids"]) or batch["input_ids"].dim() < 2:
-        got = type(batch.get("input_ids")).__name__ if "input_ids" in batch else f"keys {sorted(batch)}"
-        raise ValueError(
-            f"each batch needs a tensor 'input_ids' of shape [bs, sl]; got {got}; "
-            "collate samples into a dict with input_ids (and labels, position_ids)")
-    bs, sl = batch["input_ids"].shape[:2]
-    for key, value in batch.items():
-        if torch.is_tensor(value) and (value.dim() < 2 or value.shape[1] != sl):
-            raise ValueError(
-                f"batch tensors must share the sequence length on dim 1: input_ids has {sl} tokens "
-                f"but '{key}' has shape {list(value.shape)}; pad or truncate every tensor of a sample "
-                "to the same length")
+    bs, sl = batch["input_ids"].shape
     if "position_ids" not in batch:
         batch["position_ids"] = torch.arange(sl).expand(bs, sl).clone()
     if "labels" in batch:
@@ -81,15 +79,19 @@ class UlyssesSPDataLoaderAdapter:
     ``len()`` is ``len(dl) * sp_world_size``; micro-batch ``k`` of a refill is SP rank ``k``'s batch,
     sharded on dim 1; tensor shards are on CPU, non-tensor entries are copied unchanged. Beyond
     DeepSpeed's: ranks may draw samples of different lengths, any length is padded to a multiple of
-    sp (``pad_to_multiple``), and missing position_ids are generated.
+    sp (``pad_to_multiple``), and missing position_ids are generated. ``vocab_size`` range-checks
+    token ids and labels at refill; ``watch`` (the mesh's ``sp_watch``) names the group and step if
+    an exchange fails. A bad batch on any rank raises the same error on every rank.
     """
 
     def __init__(self, dl, sp_rank: int, sp_group, sp_world_size: int, device,
-                 *, pad_to_multiple: bool = True, pad_token_id: int = 0):
+                 *, pad_to_multiple: bool = True, pad_token_id: int = 0, vocab_size: int | None = None,
+                 watch: GroupWatch | None = None):
         self.dl = dl
         self.sp_rank, self.sp_group, self.sp_world_size = sp_rank, sp_group, sp_world_size
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.pad_to_multiple, self.pad_token_id = pad_to_multiple, pad_token_id
+        self.pad_to_multiple, self.pad_token_id, self.vocab_size = pad_to_multiple, pad_token_id, vocab_size
+        self.watch = watch if watch is not None else GroupWatch.of_group(sp_group)
         self.iter = iter(dl)
         self.micro_batches: deque = deque()
 
@@ -105,13 +107,28 @@ class UlyssesSPDataLoaderAdapter:
         return self.micro_batches.popleft()
 
     def refill(self) -> None:
+        """Draw this rank's batch, check it, and exchange shards with the SP group.
+
+        A rank whose batch fails its checks does not raise on its own (its peers would wait in the
+        exchange): its error travels in place of its metadata, and every rank raises it.
+        """
         try:
             batch = next(self.iter)
         except StopIteration:
             batch = None
+        error = None
         if batch is not None:
-            batch = prepare_sample(batch, self.sp_world_size, self.pad_to_multiple, self.pad_token_id)
-        metas = self._exchange_meta(batch)
+            try:
+                batch = prepare_sample(batch, self.sp_world_size, self.pad_to_multiple, self.pad_token_id,
+                                       self.vocab_size)
+            except ValueError as err:
+                if self.sp_world_size == 1:
+                    raise
+                batch, error = None, str(err)
+        metas = self._exchange_meta(batch, error)
+        message = first_error([(r, m["error"]) for r, m in enumerate(metas) if m is not None and "error" in m])
+        if message is not None:
+            raise ValueError(message)
         if any(m is None for m in metas):
             # an epoch ends for the whole group together; the next iteration starts a new one
             self.iter = iter(self.dl)
@@ -124,8 +141,9 @@ class UlyssesSPDataLoaderAdapter:
             self.micro_batches.append({key: micro[key] for key in meta["order"]})
 
     # -- collectives ----------------------------------------------------------------------------
-    def _exchange_meta(self, batch) -> list:
-        meta = None
+    def _exchange_meta(self, batch, error: str | None = None) -> list:
+        """Every rank's batch description (or its error), as JSON: peers' data is never unpickled."""
+        meta = None if error is None else {"error": error}
         if batch is not None:
             tensors = {k: v for k, v in batch.items() if torch.is_tensor(v)}
             objects = {k: v for k, v in batch.items() if not torch.is_tensor(v)}
@@ -138,17 +156,11 @@ class UlyssesSPDataLoaderAdapter:
             return [meta]
         try:
             payload = json.dumps(meta).encode()
-            json_ok = torch.tensor([1], device=self.device)
         except (TypeError, ValueError):
-            payload, json_ok = b"", torch.tensor([0], device=self.device)
-        # one tiny all_reduce decides whether every rank's metadata is JSON; if not, fall back to
-        # all_gather_object (pickle) for this refill only
-        dist.all_reduce(json_ok, op=dist.ReduceOp.MIN, group=self.sp_group)
-        if not json_ok.item():
-            metas = [None] * self.sp_world_size
-            dist.all_gather_object(metas, meta, group=self.sp_group)
-            return metas
-        return [json.loads(raw) for raw in _all_gather_bytes(payload, self.sp_group, self.sp_world_size, self.device)]
+            payload = json.dumps({"error": _not_json(meta["objects"])}).encode()
+        with self.watch.collective("the data adapter's metadata exchange"):
+            raws = _all_gather_bytes(payload, self.sp_group, self.sp_world_size, self.device)
+        return [json.loads(raw) for raw in raws]
 
     def _exchange_tensors(self, batch, metas) -> list[dict]:
         ws, me = self.sp_world_size, self.sp_rank
@@ -168,10 +180,11 @@ class UlyssesSPDataLoaderAdapter:
             send_sizes.append(size)
         send = torch.cat(chunks).to(self.device)
         shapes = [{k: _shard_shape(metas[src]["tensors"][k][1], ws) for k in keys} for src in range(ws)]
-        dtypes = {k: getattr(torch, metas[0]["tensors"][k][0]) for k in keys}
+        dtypes = {k: _dtype(metas[0]["tensors"][k][0]) for k in keys}
         recv_sizes = [sum(_numel(shapes[src][k]) * _itemsize(dtypes[k]) for k in keys) for src in range(ws)]
         recv = send.new_empty(sum(recv_sizes))
-        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.sp_group)
+        with self.watch.collective("the data adapter's shard exchange"):
+            dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.sp_group)
         AdapterCounter.bytes_received += sum(recv_sizes) - recv_sizes[me]
         out = []
         for src, block in enumerate(recv.cpu().split(recv_sizes)):
@@ -193,6 +206,25 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"a peer described a tensor dtype as {name!r}; expected a torch dtype name")
+    return dtype
+
+
+def _not_json(objects: dict) -> str:
+    bad = []
+    for key, value in objects.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            bad.append(f"'{key}' ({type(value).__name__})")
+    return (f"non-tensor batch entries {', '.join(bad)} are not JSON-serializable; they are sent to SP "
+            "peers as JSON (never pickled); expected str, int, float, bool, None, or lists/dicts of those; "
+            "fix: convert them (e.g. to lists or tensors) or drop them from the batch in the collator")
 
 
 def _itemsize(dtype) -> int:

@@ -6,13 +6,23 @@ wrong: DeepSpeed #7458, #7672, #7695): the ``(dp, sp)`` mesh is built and handed
 attention, the SP loss, and the section's tiling and offload switches, and the training data comes
 back already wrapped by the SP adapter. :func:`install` makes a plain ``deepspeed.initialize`` (as
 HF Trainer, Accelerate and existing scripts call it) do the same when the config has the section.
+
+Failure handling: every rank checks that all ranks hold the same section and model layout before
+any SP group exists (a rank with another sp would build other groups and hang the rest);
+``comm_timeout_seconds`` bounds the SP groups and, when this hook starts torch.distributed, the
+world group DeepSpeed reduces over; and a collective failing inside the engine's forward, backward
+or step is re-raised naming the SP group and the step (:mod:`ds_ulysses.watch`).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import hashlib
+import json
 
+import torch
 import torch.distributed as dist
 
 from .config import UlyssesConfig, parse_ds_config
@@ -22,6 +32,8 @@ from .mesh import Mesh
 from .offload import enable_activation_checkpoint_offload
 from .register import register_with_transformers
 from .mlp_tiling import tile_mlps
+from .validate import check_mesh_param
+from .watch import GroupWatch
 
 __all__ = ["initialize", "install", "uninstall", "prepare_model", "loss_grad_scale"]
 
@@ -45,15 +57,16 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
         register_with_transformers(model, section.attn_implementation, mesh.sp, micro_batch_size,
                                    section.seq_length, section.seq_length_is_variable,
                                    section.disable_in_eval, mesh=mesh)
-    loss_fn = tiled_causal_lm_loss(section.tiled_loss.shards) if section.tiled_loss.enabled else None
-    enable_sp_loss(model, mesh.sp_group, grad_scale, loss_fn)
+    loss_fn = tiled_causal_lm_loss(section.tiled_loss.shards, mesh.sp_watch) if section.tiled_loss.enabled else None
+    enable_sp_loss(model, mesh.sp_group, grad_scale, loss_fn, watch=mesh.sp_watch)
     if section.tiled_mlp.enabled:
         tile_mlps(model, section.tiled_mlp.shards)
     if section.activation_checkpoint_offload.enabled:
         enable_activation_checkpoint_offload(model)
 
 
-def _sp_loader(training_data, mesh: Mesh, section: UlyssesConfig, micro_batch_size: int, collate_fn):
+def _sp_loader(training_data, mesh: Mesh, section: UlyssesConfig, micro_batch_size: int, collate_fn,
+               vocab_size: int | None = None):
     """Every rank reads a distinct 1/world of the data; its SP group then trains on each sample once."""
     from torch.utils.data import DataLoader, DistributedSampler
 
@@ -61,7 +74,70 @@ def _sp_loader(training_data, mesh: Mesh, section: UlyssesConfig, micro_batch_si
                                  shuffle=False, drop_last=True)
     loader = DataLoader(training_data, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn)
     return UlyssesSPDataLoaderAdapter(loader, mesh.sp_rank, mesh.sp_group, mesh.sp, "cpu",
-                                      pad_to_multiple=section.pad_to_multiple, pad_token_id=section.pad_token_id)
+                                      pad_to_multiple=section.pad_to_multiple, pad_token_id=section.pad_token_id,
+                                      vocab_size=vocab_size, watch=mesh.sp_watch)
+
+
+def _vocab_size(model) -> int | None:
+    """Rows of the input embedding (what token ids index), else the config's vocab_size."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    rows = getattr(embedding, "num_embeddings", None)
+    if rows is None:
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        rows = getattr(text, "vocab_size", None)
+    return rows if isinstance(rows, int) else None
+
+
+def _layout_facts(model) -> dict:
+    """The model facts SP peers must agree on (head layout, depth, vocabulary)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    names = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "num_hidden_layers")
+    return {**{n: getattr(text, n, None) for n in names}, "vocab": _vocab_size(model)}
+
+
+def _check_ranks_agree(section: UlyssesConfig, model) -> None:
+    """Every rank must hold the same section (so the same mesh) and model layout before any SP group exists.
+
+    One all_gather of an 8-byte digest over the world; a disagreement raises the same error on
+    every rank, naming which ranks hold which version.
+    """
+    facts = {"ulysses": section.to_dict(), "model": _layout_facts(model)}
+    digest = hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).digest()
+    mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True)], dtype=torch.long)
+    if dist.get_backend() == "nccl":
+        mine = mine.cuda()
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    versions: dict[int, list[int]] = {}
+    for rank, value in enumerate(every):
+        versions.setdefault(int(value), []).append(rank)
+    if len(versions) > 1:
+        groups = " vs ".join(str(ranks) for ranks in versions.values())
+        raise ValueError(
+            f"ranks disagree on the \"ulysses\" section or the model's layout: ranks {groups} hold "
+            "different versions; expected every rank to load the same DeepSpeed config and the same model "
+            "(a rank with another sp or head count would build other groups and hang the rest); fix: pass "
+            "every rank the same config file and checkpoint")
+
+
+def _watch_engine(engine, watch: GroupWatch) -> None:
+    """Re-raise a collective failure in the engine's forward/backward/step naming group and step.
+
+    Covers what the SP modules cannot see from inside: the backward all-to-alls and DeepSpeed's own
+    gradient reductions.
+    """
+    for name in ("forward", "backward", "step"):
+        method = getattr(engine, name)
+
+        @functools.wraps(method)
+        def watched(*args, _method=method, _what=f"engine.{name}", **kwargs):
+            with watch.collective(_what):
+                return _method(*args, **kwargs)
+
+        setattr(engine, name, watched)
 
 
 def initialize(model=None, config=None, mesh_param=None, model_parameters=None, training_data=None,
@@ -92,10 +168,12 @@ def initialize(model=None, config=None, mesh_param=None, model_parameters=None, 
             "mpu itself, so drop mpu= (or drop the section and wire SP by hand)")
     if model is None:
         raise ValueError("initialize needs model=...: the ulysses section configures the model's attention and loss")
-    if not dist.is_initialized():
-        deepspeed.init_distributed()
     if mesh_param is not None:
-        section = dataclasses.replace(section, mesh_param=tuple(mesh_param), sequence_parallel_size=int(mesh_param[1]))
+        mesh_param = check_mesh_param(mesh_param)
+        section = dataclasses.replace(section, mesh_param=mesh_param, sequence_parallel_size=mesh_param[1])
+    if not dist.is_initialized():
+        deepspeed.init_distributed(timeout=section.comm_timeout)
+    _check_ranks_agree(section, model)
     dp, sp = section.mesh(dist.get_world_size())
     mesh = Mesh(dp, sp, section.comm_timeout_seconds)
     micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
@@ -105,9 +183,10 @@ def initialize(model=None, config=None, mesh_param=None, model_parameters=None, 
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     engine, optimizer, _, scheduler = ds_initialize(
         args=args, model=model, model_parameters=model_parameters, config=ds_config, mpu=mesh, **deepspeed_kwargs)
+    _watch_engine(engine, mesh.sp_watch)
     loader = None
     if training_data is not None:
-        loader = _sp_loader(training_data, mesh, section, micro, collate_fn)
+        loader = _sp_loader(training_data, mesh, section, micro, collate_fn, _vocab_size(model))
     return engine, optimizer, loader, scheduler
 
 

@@ -19,6 +19,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .validate import check_mesh_param
+from .watch import GroupWatch
+
 __all__ = ["Mesh", "build_mesh"]
 
 
@@ -26,7 +29,9 @@ class Mesh:
     """Process groups for a ``(dp, sp)`` grid, usable as DeepSpeed's ``mpu``.
 
     With ``dp == sp == 1`` (or torch.distributed not initialised) every group is ``None`` and every
-    collective in the package short-circuits, so the same code runs single-process.
+    collective in the package short-circuits, so the same code runs single-process. ``sp_watch``
+    names this rank's SP group and counts its steps in the error a dead or stalled peer causes;
+    ``timeout_seconds`` bounds every collective on the mesh's groups.
     """
 
     def __init__(self, dp: int, sp: int, timeout_seconds: float | None = None):
@@ -45,6 +50,8 @@ class Mesh:
         self.sp_group = self.dp_group = None
         self.sp_ranks = [self.rank]
         self.dp_ranks = [self.rank]
+        self.timeout_seconds = timeout_seconds
+        self.sp_watch = GroupWatch(self.sp_ranks, timeout_seconds)
         if world == 1:
             return
         grid = torch.arange(world).view(dp, sp)  # [dp sp]
@@ -54,6 +61,7 @@ class Mesh:
             group = dist.new_group(row, timeout=timeout)
             if self.rank in row:
                 self.sp_group, self.sp_ranks = group, row
+                self.sp_watch = GroupWatch(row, timeout_seconds)
         for col in grid.t().tolist():
             group = dist.new_group(col, timeout=timeout)
             if self.rank in col:
@@ -127,9 +135,7 @@ def build_mesh(sequence_parallel_size: int | None = None, mesh_param=None,
     """Mesh from ``mesh_param=(dp, sp)`` or from ``sequence_parallel_size`` with dp inferred."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if mesh_param is not None:
-        if len(mesh_param) != 2:
-            raise ValueError(f"mesh_param must be [dp, sp], got {list(mesh_param)}; e.g. mesh_param=[1, {world}]")
-        dp, sp = (int(x) for x in mesh_param)
+        dp, sp = check_mesh_param(mesh_param)
         if sequence_parallel_size is not None and sequence_parallel_size != sp:
             raise ValueError(
                 f"mesh_param sp={sp} disagrees with sequence_parallel_size={sequence_parallel_size}; "

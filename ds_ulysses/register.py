@@ -7,16 +7,25 @@ its config first: models built from one config object share it, and the attentio
 
 By name or path (DeepSpeed's contract: models created afterwards pick it up): the core
 implementation's entry in Transformers' global tables is replaced. That is the only global this
-package changes; :func:`unregister_from_transformers` puts the originals back.
+package changes; :func:`unregister_from_transformers` puts the originals back. A global entry is
+hit by every model using that core, vision and audio towers included (DeepSpeed #7834), so the SP
+wrapper serves only causal (decoder) attention there and hands any other module to the original.
+
+Either way, models SP would compute silently wrong (token mixing outside attention, chunked
+attention) are refused here, before any collective: see :func:`ds_ulysses.validate.check_model_servable`.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
+
+import torch
 
 from .attention import UlyssesSPAttentionHF, check_core_attention
 from .mesh import Mesh, build_mesh
+from .validate import check_model_servable, decoder_of, position_verdict, sliding_layers, verdict_ok
 
 __all__ = ["register_with_transformers", "unregister_from_transformers"]
 
@@ -64,17 +73,18 @@ def register_with_transformers(model_name_or_path, core_attn_implementation, seq
         raise ValueError(
             "seq_length_is_variable=False needs seq_length (the fixed global sequence length); "
             "pass seq_length=S or leave seq_length_is_variable=True")
-    if mesh is None:
-        mesh = build_mesh(sequence_parallel_size)
-    elif mesh.sp != sequence_parallel_size:
-        raise ValueError(f"mesh has sp={mesh.sp} but sequence_parallel_size={sequence_parallel_size}; make them equal")
-    _, _, attn_table, mask_table = _tables()
     is_model = hasattr(model_name_or_path, "config")
     if is_model:
         config = model_name_or_path.config
     else:
         from transformers import AutoConfig
         config = AutoConfig.from_pretrained(model_name_or_path)
+    check_model_servable(config, model_name_or_path if is_model else None)
+    if mesh is None:
+        mesh = build_mesh(sequence_parallel_size)
+    elif mesh.sp != sequence_parallel_size:
+        raise ValueError(f"mesh has sp={mesh.sp} but sequence_parallel_size={sequence_parallel_size}; make them equal")
+    _, _, attn_table, mask_table = _tables()
     text = config.get_text_config()
     core_fn = _global_originals.get(core_attn_implementation, (attn_table[core_attn_implementation],))[0]
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -82,14 +92,20 @@ def register_with_transformers(model_name_or_path, core_attn_implementation, seq
     uattn = UlyssesSPAttentionHF(
         core_fn, micro_batch_size, text.num_attention_heads, head_dim,
         getattr(text, "num_key_value_heads", None) or text.num_attention_heads, text.num_hidden_layers,
-        mesh.sp_group, seq_length_is_variable, local, seq_length, disable_in_eval, core_attn_implementation)
-
-    def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        return uattn(module, query, key, value, attention_mask, *args, **kwargs)
+        mesh.sp_group, seq_length_is_variable, local, seq_length, disable_in_eval, core_attn_implementation,
+        watch=mesh.sp_watch, sliding_layers=sliding_layers(config))
 
     if is_model:
+        def attention(module, query, key, value, attention_mask, *args, **kwargs):
+            return uattn(module, query, key, value, attention_mask, *args, **kwargs)
+
         _register_on_model(model_name_or_path, uattn, attention, disable_in_eval)
     else:
+        def attention(module, query, key, value, attention_mask, *args, **kwargs):
+            if not getattr(module, "is_causal", True):  # an encoder (vision/audio tower): not ours
+                return core_fn(module, query, key, value, attention_mask, *args, **kwargs)
+            return uattn(module, query, key, value, attention_mask, *args, **kwargs)
+
         _register_globally(core_attn_implementation, attention)
     return mesh
 
@@ -106,10 +122,35 @@ def _register_on_model(model, uattn, attention, disable_in_eval):
             return original_mask(*args, **kwargs)
         return None
 
+    decoder_of(model).register_forward_pre_hook(functools.partial(_check_positions, uattn), with_kwargs=True)
     attn_iface.register(name, attention)
     mask_iface.register(name, mask)
     _own_config(model).get_text_config()._attn_implementation = name
     model.__dict__["ulysses_attention"] = uattn  # not a submodule: no params, kept out of module walks
+
+
+def _check_positions(uattn, module, args, kwargs):
+    """Decoder pre-hook: judge the call's position_ids before the model uses them.
+
+    The verdict reaches every SP rank through the attention's first gather. A mis-shaped tensor is
+    swapped for a local stand-in so this rank gets that far (RoPE would raise here, alone).
+    """
+    if uattn.world_size == 1 or (uattn.disable_in_eval and not module.training):
+        return None
+    positional = len(args) > 2  # forward(input_ids, attention_mask, position_ids, ...)
+    given = args[2] if positional else kwargs.get("position_ids")
+    ids = args[0] if args else kwargs.get("input_ids")
+    ref = ids if torch.is_tensor(ids) else kwargs.get("inputs_embeds")
+    if not torch.is_tensor(ref) or ref.dim() < 2:
+        return None
+    bs, sl_l = ref.shape[:2]
+    uattn.input_verdict = position_verdict(given, bs, sl_l)
+    if verdict_ok(uattn.input_verdict) or given is None:
+        return None
+    standin = torch.arange(sl_l, device=ref.device).expand(bs, sl_l)
+    if positional:
+        return (*args[:2], standin, *args[3:]), kwargs
+    return args, {**kwargs, "position_ids": standin}
 
 
 def _register_globally(core, attention):
