@@ -17,7 +17,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, received):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                       DS_ACCELERATOR="cpu")
@@ -30,14 +30,18 @@ def _worker(rank, world_size, port, fn, args, queue):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # tensors in a result travel as shared-memory handles: exiting before the parent has
+        # unpickled them would pull the memory out from under it
+        received.wait(timeout=60)
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
     """``fn(rank, world_size, *args)`` on each rank; returns the results in rank order."""
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue, received = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, received))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors = {}, []
@@ -50,6 +54,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
                 errors.append(f"rank {rank}:\n{value}")
                 break
     finally:
+        received.set()
         for p in procs:
             p.join(timeout=5 if not errors else 1)
             if p.is_alive():
