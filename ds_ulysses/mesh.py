@@ -52,8 +52,9 @@ class Mesh:
         self.dp_ranks = [self.rank]
         self.timeout_seconds = timeout_seconds
         self.sp_watch = GroupWatch(self.sp_ranks, timeout_seconds)
-        if world == 1:
+        if not dist.is_initialized():
             return
+        # groups exist even for a 1-rank world: DeepSpeed broadcasts and reduces over them
         grid = torch.arange(world).view(dp, sp)  # [dp sp]
         timeout = None if timeout_seconds is None else timedelta(seconds=timeout_seconds)
         # every rank must create every group, in the same order
@@ -94,7 +95,7 @@ class Mesh:
         return self.dp_rank
 
     def get_sequence_data_parallel_group(self):
-        return dist.group.WORLD if self.world_size > 1 else None
+        return dist.group.WORLD if dist.is_initialized() else None
 
     def get_sequence_data_parallel_world_size(self) -> int:
         return self.world_size
