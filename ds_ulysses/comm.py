@@ -113,15 +113,21 @@ def seq_to_heads(layout: HeadLayout, tensors: tuple[torch.Tensor, ...]) -> tuple
     n_me = [layout.local_heads(t) for t in range(len(tensors))]
     recv_sizes = [bs * layout.seq_lens[s] * sum(n_me) * hs for s in range(ws)]
     recv = _all_to_all(layout, send, send_sizes, recv_sizes)
-    # unpack: from source s, its tokens for my heads of every tensor
-    outs = [[] for _ in tensors]
+    # unpack: from source s, its tokens for my heads of every tensor, written head-major
+    # ([bs hc_l sl hs] in memory, returned as a [bs sl hc_l hs] view): the layout the core attention
+    # reads, so sdpa gets contiguous inputs without another copy
+    sl = sum(layout.seq_lens)
+    outs = [recv.new_empty(bs, n, sl, hs) for n in n_me]
+    start = 0
     for s, block in enumerate(recv.split(recv_sizes)):
         offset = 0
-        for t in range(len(tensors)):
+        for t, out in enumerate(outs):
             numel = bs * layout.seq_lens[s] * n_me[t] * hs
-            outs[t].append(block[offset:offset + numel].view(bs, layout.seq_lens[s], n_me[t], hs))
+            part = block[offset:offset + numel].view(bs, layout.seq_lens[s], n_me[t], hs)
+            out[:, :, start:start + layout.seq_lens[s]].copy_(part.transpose(1, 2))
             offset += numel
-    return tuple(torch.cat(parts, dim=1) for parts in outs)  # [bs sl hc_l hs]
+        start += layout.seq_lens[s]
+    return tuple(out.transpose(1, 2) for out in outs)  # [bs sl hc_l hs]
 
 
 def heads_to_seq(layout: HeadLayout, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
