@@ -29,6 +29,11 @@ def test_zero3_cpu_offload_dp2_sp2():
     _check(run_distributed(engine_vs_reference, 4, ds_config(3, offload=True), timeout=600), 2, 2)
 
 
+def test_one_process_world_trains_like_plain_deepspeed():
+    # a 1-rank world still needs real groups: DeepSpeed broadcasts and reduces over the mpu's groups
+    _check(run_distributed(engine_vs_reference, 1, ds_config(3, sp=1), timeout=600), 1, 1)
+
+
 def test_install_makes_plain_deepspeed_initialize_honour_the_section():
     _check(run_distributed(engine_vs_reference, 4, ds_config(3, offload=True), True, timeout=600), 2, 2)
 
