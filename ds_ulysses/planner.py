@@ -29,11 +29,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from .tiled import auto_loss_shards, auto_mlp_shards
+
 __all__ = ["ModelDims", "Setup", "KNOWN_MODELS", "load_dims", "layer_units", "breakdown", "fits", "recommend",
            "max_seq_len", "cpu_rss", "ulysses_section", "add_arguments", "run_command"]
 
 GIB = float(1 << 30)
-_LOGITS_BUDGET = 1 << 30  # the tiled loss's "auto" budget: 1 GiB of fp32 logits per tile
 
 
 @dataclass(frozen=True)
@@ -168,8 +169,8 @@ def _candidates(dims: ModelDims, seq_len: int, gpus: int, act_bytes: int):
             continue
         local = max(1, seq_len // sp)
         setup = Setup(seq_len, gpus, sp, act_bytes, ckpt, offload,
-                      math.ceil(local / dims.hidden) if mlp else 1,
-                      max(1, math.ceil(local * dims.vocab * 4 / _LOGITS_BUDGET)) if loss else 1, opt, par)
+                      auto_mlp_shards(local, dims.hidden) if mlp else 1,
+                      auto_loss_shards(local, dims.vocab) if loss else 1, opt, par)
         cost = math.log2(sp) * 1.0 + ckpt * 1.0 + mlp * 0.3 + loss * 0.1 + offload * 0.5 + opt * 0.6 + par * 2.0
         out.append((cost, setup))
     out.sort(key=lambda cs: cs[0])
@@ -206,7 +207,7 @@ def cpu_rss(dims: ModelDims, seq_len: int, sp: int, section: dict, baseline: flo
     CPU memory is device and host at once, so both sides add up, plus ``baseline`` (the measured RSS
     of the runtime itself: interpreter, torch, DeepSpeed, Transformers, gloo) and the unpartitioned
     fp32 model every rank builds before ZeRO-3 partitions it (DeepSpeed #7458). The "auto" tile
-    counts are the package's own rules (``ceil(sl_l / h)`` MLP tiles, 1 GiB of fp32 logits a tile).
+    counts are the package's own rules (``auto_mlp_shards``, ``auto_loss_shards``).
     """
     from .config import UlyssesConfig
 
@@ -220,8 +221,8 @@ def cpu_rss(dims: ModelDims, seq_len: int, sp: int, section: dict, baseline: flo
 
     offload = cfg.activation_checkpoint_offload.enabled
     setup = Setup(seq_len, sp, sp, 4, checkpointing=offload, ckpt_offload=offload,
-                  tiled_mlp=tiles(cfg.tiled_mlp, math.ceil(local / dims.hidden)),
-                  tiled_loss=tiles(cfg.tiled_loss, max(1, math.ceil(local * dims.vocab * 4 / _LOGITS_BUDGET))),
+                  tiled_mlp=tiles(cfg.tiled_mlp, auto_mlp_shards(local, dims.hidden)),
+                  tiled_loss=tiles(cfg.tiled_loss, auto_loss_shards(local, dims.vocab)),
                   offload_optimizer=True, offload_param=True)
     terms = breakdown(dims, setup)
     return baseline + 4 * dims.params + sum(d + h for d, h in terms.values())

@@ -36,7 +36,9 @@ __all__ = ["SequenceTiledCompute", "sequence_tiled_compute", "TiledMLP", "TiledF
            "auto_loss_shards", "agree_on_shards"]
 
 IGNORE_INDEX = -100
-DEFAULT_LOGITS_BUDGET_BYTES = 1 << 30  # 1 GiB of logits per tile: 2**28 fp32 values
+# 128 MiB of logits per tile (2**25 fp32 values): on a GPU still thousands of tokens x a 32K vocab
+# per matmul, while the tile's logits, their log-softmax and grad stay well below the layer activations
+DEFAULT_LOGITS_BUDGET_BYTES = 1 << 27
 _REDUCTIONS = (None, "mean", "sum")
 _MISSING = object()
 
@@ -49,7 +51,7 @@ def auto_mlp_shards(seqlen, hidden_size):
 
 
 def auto_loss_shards(seqlen, vocab_size, budget_bytes=DEFAULT_LOGITS_BUDGET_BYTES, dtype=torch.float32):
-    """Fewest tiles whose `[n_t, v]` logits fit in `budget_bytes` (default 1 GiB, i.e. 2**28 fp32 logits).
+    """Fewest tiles whose `[n_t, v]` logits fit in `budget_bytes` (default 128 MiB, i.e. 2**25 fp32 logits).
 
     `seqlen` is the number of tokens the loss sees (bs * sl for a batch). Cross-entropy upcasts
     logits to fp32, so pass the dtype the loss actually materialises.

@@ -391,9 +391,10 @@ def test_auto_shards_and_agreement_without_distributed():
     assert auto_mlp_shards(4096, 4096) == 1
     assert auto_mlp_shards(4097, 4096) == 2
     assert auto_mlp_shards(1, 64) == 1
-    # 2**28 fp32 logits fit in the 1 GiB default budget
-    assert auto_loss_shards(2**14, 2**14) == 1
-    assert auto_loss_shards(2**14 + 1, 2**14) == 2
+    # 2**25 fp32 logits fit in the 128 MiB default budget
+    assert auto_loss_shards(2**10, 2**15) == 1
+    assert auto_loss_shards(2**10 + 1, 2**15) == 2
+    assert auto_loss_shards(8192, 32000) == 8  # 8K tokens per rank, 32K vocab: 1 GB of logits
     assert auto_loss_shards(1000, 1000, budget_bytes=1000 * 1000, dtype=torch.bfloat16) == 2
     assert auto_loss_shards(1000, 1000, budget_bytes=1000 * 1000, dtype=torch.float32) == 4
     assert agree_on_shards(3) == 3
