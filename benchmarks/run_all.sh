@@ -8,8 +8,9 @@ OUT=${OUT:-benchmarks/results/runs.jsonl}
 bench() { DS_ACCELERATOR=cpu "$PY" -m ds_ulysses.cli bench --out "$OUT" "$@"; }
 LOSS8='loss-shards-8={"tiled_loss": {"enabled": true, "shards": 8}}'
 
-# 1. mechanism (deepspeed vs ours-dropin) and product (deepspeed vs ours), sp 2
+# 1. mechanism (deepspeed vs ours-dropin) and product (deepspeed vs ours), sp 2 and sp 4
 bench --seq-len 4K --sp 2 --reps 3
+bench --seq-len 4K --sp 4 --reps 1
 bench --seq-len 16K --sp 2 --reps 2 --variant "$LOSS8"
 # 2. product on packed batches: 8 documents per sample
 bench --seq-len 16K --sp 2 --packed-docs 8 --impl deepspeed ours --reps 2
@@ -20,9 +21,8 @@ bench --seq-len 16K --sp 2 --reps 1 --steps 1 --impl \
   --variant 'tiled_mlp={"tiled_loss": {"enabled": false}, "tiled_mlp": {"enabled": true}}' \
   --variant 'ckpt_offload={"tiled_loss": {"enabled": false}, "activation_checkpoint_offload": {"enabled": true}}' \
   --variant 'all={"tiled_loss": {"enabled": true, "shards": 8}, "tiled_mlp": {"enabled": true}, "activation_checkpoint_offload": {"enabled": true}}'
-# 4. scaling: sp 1 and sp 2 over S (ours via initialize fails at world size 1, see README)
-bench --seq-len 2K 4K 8K --sp 1 --reps 1 --impl deepspeed ours-dropin
-bench --seq-len 2K --sp 1 --reps 1 --impl ours
+# 4. scaling: sp 1 and sp 2 over S
+bench --seq-len 2K 4K 8K --sp 1 --reps 1
 bench --seq-len 2K 8K --sp 2 --reps 1
 # 5. the attention layer alone, both wrappers interleaved per iteration in one process group
 bench --layer-iters 12 --seq-len 4K --sp 2
