@@ -96,7 +96,9 @@ class UlyssesSPDataLoaderAdapter:
         self.micro_batches: deque = deque()
 
     def __len__(self) -> int:
-        return len(self.dl) * self.sp_world_size
+        # each batch the wrapped loader yields becomes sp micro-batches: one per sample owner in the group
+        batches = len(self.dl)
+        return self.sp_world_size * batches
 
     def __iter__(self):
         return self

@@ -69,7 +69,7 @@ def register_with_transformers(model_name_or_path, core_attn_implementation, seq
     if sequence_parallel_size == 1:
         return None
     check_core_attention(core_attn_implementation)
-    if not seq_length_is_variable and seq_length is None:
+    if seq_length is None and not seq_length_is_variable:
         raise ValueError(
             "seq_length_is_variable=False needs seq_length (the fixed global sequence length); "
             "pass seq_length=S or leave seq_length_is_variable=True")
