@@ -97,8 +97,7 @@ class UlyssesSPDataLoaderAdapter:
 
     def __len__(self) -> int:
         # each batch the wrapped loader yields becomes sp micro-batches: one per sample owner in the group
-        batches = len(self.dl)
-        return self.sp_world_size * batches
+        return self.sp_world_size * len(self.dl)
 
     def __iter__(self):
         return self

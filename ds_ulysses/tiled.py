@@ -36,8 +36,8 @@ __all__ = ["SequenceTiledCompute", "sequence_tiled_compute", "TiledMLP", "TiledF
            "auto_loss_shards", "agree_on_shards"]
 
 IGNORE_INDEX = -100
-# 128 MiB of logits per tile (2**25 fp32 values): on a GPU still thousands of tokens x a 32K vocab
-# per matmul, while the tile's logits, their log-softmax and grad stay well below the layer activations
+# 128 MiB of logits per tile (2**25 fp32 values): 1024 tokens at a 32K vocab, 256 at 128K, still a
+# large matmul on a GPU, while the tile's logits, log-softmax and grad stay small beside the activations
 DEFAULT_LOGITS_BUDGET_BYTES = 1 << 27
 _REDUCTIONS = (None, "mean", "sum")
 _MISSING = object()
