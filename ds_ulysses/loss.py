@@ -101,11 +101,13 @@ def tiled_causal_lm_loss(shards="auto", watch: GroupWatch | None = None):
 
     The ``[bs sl_l V]`` logits are never materialised whole: lm_head and cross-entropy run one tile
     at a time (forward and recompute in backward), which is what takes ALST from 32K to 160K tokens
-    on one GPU. The returned output has ``loss`` and no ``logits``. For heads that are a plain
-    linear layer (no logit soft-capping or scaling after lm_head). ``watch`` (the mesh's
-    ``sp_watch``) names the group and step if the loss all_reduce fails.
+    on one GPU. When the tile count comes to 1 (``"auto"`` with logits within one tile's budget, or
+    ``shards=1``) tiling would save nothing and still pay the recompute, so the loss runs untiled.
+    The returned output has ``loss`` and no ``logits``. For heads that are a plain linear layer (no
+    logit soft-capping or scaling after lm_head). ``watch`` (the mesh's ``sp_watch``) names the
+    group and step if the loss all_reduce fails.
     """
-    from .tiled import TiledFusedLogitsLoss
+    from .tiled import TiledFusedLogitsLoss, agree_on_shards, auto_loss_shards
 
     def loss_fn(model, args, kwargs, shift_labels, group, grad_scale):
         from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -115,7 +117,13 @@ def tiled_causal_lm_loss(shards="auto", watch: GroupWatch | None = None):
         head = model.get_output_embeddings()
         vocab = getattr(head, "out_features", None) or model.config.get_text_config().vocab_size
         labels, bad = _mask_bad_labels(shift_labels.to(hidden.device), vocab, -100)
-        local_sum = TiledFusedLogitsLoss.apply(_token_ce_sum, head, hidden, labels, None, shards, None, "sum")
+        tiles = shards
+        if tiles == "auto":  # resolved here, on every rank alike, to know whether tiling pays
+            tiles = agree_on_shards(auto_loss_shards(max(1, labels.numel()), vocab))
+        if tiles == 1:
+            local_sum = _token_ce_sum(head, hidden.flatten(0, -2), labels.flatten())  # [n h], [n]
+        else:
+            local_sum = TiledFusedLogitsLoss.apply(_token_ce_sum, head, hidden, labels, None, tiles, None, "sum")
         loss = GlobalTokenMean.apply(local_sum.reshape(()), (labels != -100).sum(), group, grad_scale, bad,
                                      vocab, watch)
         return CausalLMOutputWithPast(loss=loss)

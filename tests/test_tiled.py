@@ -449,6 +449,33 @@ def test_tile_mlps_on_llama_equals_untiled(bs, shards):
         h.remove()
 
 
+@pytest.mark.parametrize("shards,head_calls", [(1, 1), ("auto", 1), (3, 6)])
+def test_tiled_causal_lm_loss_tiles_only_when_it_saves_memory(shards, head_calls):
+    from ds_ulysses.loss import enable_sp_loss, tiled_causal_lm_loss
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[:, :20] = -100
+    params = [p for p in model.parameters() if p.requires_grad]
+    want_loss = model(input_ids=ids, labels=labels).loss
+    want = grads_of(want_loss, params)
+
+    shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    calls = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: calls.append(o.shape[0]))
+    enable_sp_loss(model, loss_fn=tiled_causal_lm_loss(shards))
+    got_loss = model(input_ids=ids, shift_labels=shift_labels).loss
+    got = grads_of(got_loss, params)
+    hook.remove()
+
+    assert rel(got_loss, want_loss) <= TOL
+    assert_close(got, want, "grad")
+    # one untiled lm_head call when tiling would save nothing ("auto": 300 x 128 logits are far
+    # below a tile's budget); otherwise each tile in forward and again in the backward recompute
+    assert len(calls) == head_calls
+
+
 def test_tile_mlps_handles_any_mlp_module_and_only_the_given_model():
     torch.manual_seed(0)
 
