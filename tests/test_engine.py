@@ -13,7 +13,7 @@ from ds_ulysses.engine import _sp_loader, loss_grad_scale
 from ds_ulysses.mesh import Mesh
 
 from .distributed import run_distributed
-from .engine_cases import dataset, ds_config, engine_vs_reference
+from .engine_cases import ds_config, engine_vs_reference
 
 pytestmark = pytest.mark.slow
 
