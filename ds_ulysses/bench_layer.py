@@ -49,16 +49,11 @@ def run(seq_len: int, iters: int, heads: int = 8, kv_heads: int = 2, head_size: 
     ours = UlyssesSPAttentionHF(sdpa_attention_forward, 1, heads, head_size, kv_heads, 1, group,
                                 seq_length_is_variable=True, core_attn_implementation="sdpa")
 
-    def contiguous_core(module, q, k, v, *args, **kwargs):  # what the core sees when given [bs hc_l sl hs] memory
-        return sdpa_attention_forward(module, q.contiguous(), k.contiguous(), v.contiguous(), *args, **kwargs)
-
-    ours_contiguous = UlyssesSPAttentionHF(contiguous_core, 1, heads, head_size, kv_heads, 1, group,
-                                           seq_length_is_variable=True, core_attn_implementation="sdpa")
     g = torch.Generator().manual_seed(rank)
     q = torch.randn(1, heads, sl_l, head_size, generator=g)      # [bs hc sl_l hs]
     kv = [torch.randn(1, kv_heads, sl_l, head_size, generator=g) for _ in range(2)]  # [bs kv sl_l hs]
     positions = torch.arange(rank * sl_l, (rank + 1) * sl_l)[None]  # [bs sl_l]
-    impls = {"deepspeed": theirs, "ours": ours, "ours-contiguous-core": ours_contiguous}
+    impls = {"deepspeed": theirs, "ours": ours}
     times = {name: [] for name in impls}
     outs = {}
     for it in range(iters + 1):
