@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .data import UlyssesSPDataLoaderAdapter
 from .mesh import Mesh
-from .tiled import agree_on_shards, auto_loss_shards
+from .tiled import resolve_loss_shards
 
 __all__ = ["PositionLoss", "bucket_edges", "evaluate_positions", "buckets_arg", "add_arguments", "run_command"]
 
@@ -122,7 +122,7 @@ def _token_losses(model, batch: dict) -> torch.Tensor:
     bs, sl_l, h = hidden.shape
     flat, flat_labels = hidden.reshape(bs * sl_l, h), labels.reshape(bs * sl_l)  # [bs*sl_l h], [bs*sl_l]
     head = model.get_output_embeddings()
-    tiles = agree_on_shards(auto_loss_shards(max(bs * sl_l, 1), config.vocab_size))
+    tiles = resolve_loss_shards("auto", bs * sl_l, config.vocab_size)
     step = max(1, math.ceil(bs * sl_l / tiles))
     out = []
     for t in range(tiles):  # every rank runs `tiles` head calls, even on an empty slice

@@ -107,7 +107,7 @@ def tiled_causal_lm_loss(shards="auto", watch: GroupWatch | None = None):
     logit soft-capping or scaling after lm_head). ``watch`` (the mesh's ``sp_watch``) names the
     group and step if the loss all_reduce fails.
     """
-    from .tiled import TiledFusedLogitsLoss, agree_on_shards, auto_loss_shards
+    from .tiled import TiledFusedLogitsLoss, resolve_loss_shards
 
     def loss_fn(model, args, kwargs, shift_labels, group, grad_scale):
         from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -117,9 +117,7 @@ def tiled_causal_lm_loss(shards="auto", watch: GroupWatch | None = None):
         head = model.get_output_embeddings()
         vocab = getattr(head, "out_features", None) or model.config.get_text_config().vocab_size
         labels, bad = _mask_bad_labels(shift_labels.to(hidden.device), vocab, -100)
-        tiles = shards
-        if tiles == "auto":  # resolved here, on every rank alike, to know whether tiling pays
-            tiles = agree_on_shards(auto_loss_shards(max(1, labels.numel()), vocab))
+        tiles = resolve_loss_shards(shards, labels.numel(), vocab)  # here, to know whether tiling pays
         if tiles == 1:
             local_sum = _token_ce_sum(head, hidden.flatten(0, -2), labels.flatten())  # [n h], [n]
         else:

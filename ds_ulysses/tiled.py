@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["SequenceTiledCompute", "sequence_tiled_compute", "TiledMLP", "TiledFusedLogitsLoss", "auto_mlp_shards",
-           "auto_loss_shards", "agree_on_shards"]
+           "auto_loss_shards", "resolve_loss_shards", "agree_on_shards"]
 
 IGNORE_INDEX = -100
 # 128 MiB of logits per tile (2**25 fp32 values): 1024 tokens at a 32K vocab, 256 at 128K, still a
@@ -60,6 +60,14 @@ def auto_loss_shards(seqlen, vocab_size, budget_bytes=DEFAULT_LOGITS_BUDGET_BYTE
     budget_bytes = _positive_int(budget_bytes, "budget_bytes")
     itemsize = torch.empty((), dtype=dtype).element_size()
     return max(1, math.ceil(seqlen * vocab_size * itemsize / budget_bytes))
+
+
+def resolve_loss_shards(shards, tokens, vocab_size):
+    """`shards` as an int: "auto" becomes `auto_loss_shards(tokens, vocab_size)`, agreed across ranks
+    (every rank must call this, as it is collective for "auto")."""
+    if shards != "auto":
+        return shards
+    return agree_on_shards(auto_loss_shards(max(1, tokens), vocab_size))
 
 
 def agree_on_shards(n, group=None):
@@ -262,7 +270,7 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
         x_flat, y_flat = x.reshape(-1, x.shape[-1]), y.reshape(-1)  # [bs, sl, h] -> [n, h], [bs, sl] -> [n]
         mask_flat = None if mask is None else mask.reshape(-1)  # [bs, sl] -> [n]
         if shards == "auto":
-            shards = agree_on_shards(auto_loss_shards(max(1, y_flat.numel()), _vocab_size(module)))
+            shards = resolve_loss_shards(shards, y_flat.numel(), _vocab_size(module))
         ctx.fn, ctx.module, ctx.reduction = fn, module, output_reduction
         ctx.bounds = _tile_bounds(y_flat.numel(), _positive_int(shards, "shards"))
         ctx.params = params
