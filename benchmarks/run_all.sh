@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-benchmarks/results/runs.jsonl}
-bench() { DS_ACCELERATOR=cpu "$PY" -m ds_ulysses.cli bench --out "$OUT" "$@"; }
+bench() { DS_ACCELERATOR=cpu "$PY" -m benchmarks.bench --out "$OUT" "$@"; }
 LOSS8='loss-shards-8={"tiled_loss": {"enabled": true, "shards": 8}}'
 
 # 1. mechanism (deepspeed vs ours-dropin) and product (deepspeed vs ours), sp 2 and sp 4
@@ -30,4 +30,4 @@ bench --seq-len 2K 8K --sp 2 --reps 1
 # 6. the planner's intercept: runtime + model states at a negligible S
 bench --seq-len 64 --sp 1 2 --reps 1 --impl deepspeed
 
-"$PY" -m ds_ulysses.cli bench --out "$OUT" --report-only --report benchmarks/results
+"$PY" -m benchmarks.bench --out "$OUT" --report-only --report benchmarks/results

@@ -2,27 +2,25 @@
 
 Entry points:
 
-- :func:`initialize` / :func:`install`: DeepSpeed with SP set up from the config's ``"ulysses"`` section.
+- :func:`initialize` / :func:`install`: DeepSpeed with SP set up from the config's ``"ulysses"`` section;
+  :func:`uninstall` undoes every change the package made to the process.
 - :class:`UlyssesSPAttentionHF` (``register_with_transformers``), :class:`UlyssesSPDataLoaderAdapter`:
   the drop-in API of DeepSpeed's ALST module.
 - :func:`sequence_tiled_compute`, :class:`TiledMLP`, :class:`TiledFusedLogitsLoss`: tiled compute.
 """
 
-from .attention import UlyssesSPAttentionHF
 from .config import UlyssesConfig, UlyssesConfigError, load_schema, parse_ds_config
-from .data import UlyssesSPDataLoaderAdapter
+from .distributed import Mesh, SPCommError, build_mesh
 from .engine import initialize, install, uninstall
-from .loss import enable_sp_loss, sp_loss_from_logits, tiled_causal_lm_loss
-from .mesh import Mesh, build_mesh
-from .offload import disable_activation_checkpoint_offload, enable_activation_checkpoint_offload
-from .register import register_with_transformers, unregister_from_transformers
-from .mlp_tiling import tile_mlps, untile_mlps
-from .tiled import SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
+from .hf import (UlyssesSPAttentionHF, disable_activation_checkpoint_offload, enable_activation_checkpoint_offload,
+                 enable_sp_loss, register_with_transformers, tiled_causal_lm_loss, unregister_from_transformers)
+from .memory import SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute, tile_mlps, untile_mlps
+from .sp import UlyssesSPDataLoaderAdapter, sp_loss_from_logits
 
 __all__ = [
     "UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter", "sequence_tiled_compute", "SequenceTiledCompute",
     "TiledMLP", "TiledFusedLogitsLoss", "initialize", "install", "uninstall",
-    "UlyssesConfig", "UlyssesConfigError", "parse_ds_config", "load_schema", "Mesh", "build_mesh",
+    "UlyssesConfig", "UlyssesConfigError", "SPCommError", "parse_ds_config", "load_schema", "Mesh", "build_mesh",
     "register_with_transformers", "unregister_from_transformers", "enable_sp_loss", "sp_loss_from_logits",
     "tiled_causal_lm_loss", "tile_mlps", "untile_mlps", "enable_activation_checkpoint_offload",
     "disable_activation_checkpoint_offload",

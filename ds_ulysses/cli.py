@@ -1,4 +1,4 @@
-"""The ``ds-ulysses`` command line: ``ds-ulysses validate CONFIG.json`` and, later, more.
+"""The ``ds-ulysses`` command line: ``validate``, ``plan``, ``export``, ``eval`` and ``bench``.
 
 Subcommands live in :data:`SUBCOMMANDS` (name -> :class:`Subcommand`), so adding ``bench``,
 ``plan`` or ``export`` is one entry: a function that declares its arguments and one that runs and
@@ -33,13 +33,15 @@ def _add_validate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="CONFIG.json",
                         help="DeepSpeed config file whose \"ulysses\" section is checked")
     parser.add_argument("--world-size", type=int, metavar="N",
-                        help="also check that the mesh fits N ranks (dp * sp == N)")
+                        help="also check that the mesh tiles N ranks (dp times sp equal to N)")
 
 
 def _summary(cfg, world_size: int | None) -> str:
     """One line a user can eyeball: the mesh, the attention, and which ALST tools are on."""
     if world_size is not None:
-        dp, sp = cfg.mesh(world_size)
+        from ds_ulysses.distributed.mesh import mesh_shape
+
+        dp, sp = mesh_shape(world_size, cfg.sp, cfg.mesh_param)
     else:
         dp, sp = (cfg.mesh_param[0] if cfg.mesh_param else "auto"), cfg.sp
 
@@ -72,16 +74,30 @@ def _run_validate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from ds_ulysses.bench import add_arguments
+def _benchmarks():
+    """The side-by-side harness, which lives in the source checkout's ``benchmarks/`` (it imports
+    DeepSpeed's ALST module, so it is not installed with the library)."""
+    import importlib
+    from pathlib import Path
 
-    add_arguments(parser)
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "bench.py").is_file():
+        raise SystemExit(f"ds-ulysses bench: expected the benchmark harness at {root / 'benchmarks'}, found none; "
+                         "it ships with the source checkout, not the installed package; fix: clone the repository "
+                         "and run `pip install -e .` there")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module("benchmarks.bench")
+
+
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(bench_arguments=True)
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER,
+                        help="arguments of the benchmark harness (see `ds-ulysses bench --help`)")
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from ds_ulysses.bench import run_command
-
-    return run_command(args)
+    return _benchmarks().main(args.bench_args)
 
 
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,25 +113,25 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    from ds_ulysses.export import add_arguments
+    from ds_ulysses.train.export import add_arguments
 
     add_arguments(parser)
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from ds_ulysses.export import run_command
+    from ds_ulysses.train.export import run_command
 
     return run_command(args)
 
 
 def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    from ds_ulysses.evaluate import add_arguments
+    from ds_ulysses.train.evaluate import add_arguments
 
     add_arguments(parser)
 
 
 def _run_eval(args: argparse.Namespace) -> int:
-    from ds_ulysses.evaluate import run_command
+    from ds_ulysses.train.evaluate import run_command
 
     return run_command(args)
 

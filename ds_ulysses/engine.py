@@ -26,18 +26,20 @@ import torch
 import torch.distributed as dist
 
 from .config import UlyssesConfig, parse_ds_config
-from .data import UlyssesSPDataLoaderAdapter
-from .loss import enable_sp_loss, tiled_causal_lm_loss
-from .mesh import Mesh
-from .offload import enable_activation_checkpoint_offload
-from .register import register_with_transformers
-from .mlp_tiling import tile_mlps
-from .validate import check_mesh_param
-from .watch import GroupWatch
+from .distributed.collectives import collective_device
+from .distributed.mesh import Mesh, check_mesh_param, mesh_shape
+from .distributed.watch import GroupWatch
+from .hf.checkpointing import enable_activation_checkpoint_offload
+from .hf.loss import enable_sp_loss, tiled_causal_lm_loss
+from .hf.model_facts import layout_facts, vocab_size
+from .hf.register import register_with_transformers
+from .memory.mlp_tiling import tile_mlps
+from .patching import PATCHES
+from .sp.data import UlyssesSPDataLoaderAdapter
 
 __all__ = ["initialize", "install", "uninstall", "prepare_model", "loss_grad_scale"]
 
-_original_initialize = None  # deepspeed.initialize as it was before install()
+_TAG = "install"
 
 
 def loss_grad_scale(ds_config: dict, sp: int) -> float:
@@ -73,29 +75,9 @@ def _sp_loader(training_data, mesh: Mesh, section: UlyssesConfig, micro_batch_si
     sampler = DistributedSampler(training_data, num_replicas=mesh.world_size, rank=mesh.rank,
                                  shuffle=False, drop_last=True)
     loader = DataLoader(training_data, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn)
-    return UlyssesSPDataLoaderAdapter(loader, mesh.sp_rank, mesh.sp_group, mesh.sp, "cpu",
+    return UlyssesSPDataLoaderAdapter(loader, mesh.sp_rank, mesh.sp_group, mesh.sp, collective_device(mesh.sp_group),
                                       pad_to_multiple=section.pad_to_multiple, pad_token_id=section.pad_token_id,
                                       vocab_size=vocab_size, watch=mesh.sp_watch)
-
-
-def _vocab_size(model) -> int | None:
-    """Rows of the input embedding (what token ids index), else the config's vocab_size."""
-    get = getattr(model, "get_input_embeddings", None)
-    embedding = get() if callable(get) else None
-    rows = getattr(embedding, "num_embeddings", None)
-    if rows is None:
-        config = getattr(model, "config", None)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        rows = getattr(text, "vocab_size", None)
-    return rows if isinstance(rows, int) else None
-
-
-def _layout_facts(model) -> dict:
-    """The model facts SP peers must agree on (head layout, depth, vocabulary)."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    names = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "num_hidden_layers")
-    return {**{n: getattr(text, n, None) for n in names}, "vocab": _vocab_size(model)}
 
 
 def _check_ranks_agree(section: UlyssesConfig, model) -> None:
@@ -104,11 +86,10 @@ def _check_ranks_agree(section: UlyssesConfig, model) -> None:
     One all_gather of an 8-byte digest over the world; a disagreement raises the same error on
     every rank, naming which ranks hold which version.
     """
-    facts = {"ulysses": section.to_dict(), "model": _layout_facts(model)}
+    facts = {"ulysses": section.to_dict(), "model": layout_facts(model)}
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).digest()
-    mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True)], dtype=torch.long)
-    if dist.get_backend() == "nccl":
-        mine = mine.cuda()
+    mine = torch.tensor([int.from_bytes(digest[:8], "little", signed=True)], dtype=torch.long,
+                        device=collective_device())
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     versions: dict[int, list[int]] = {}
@@ -151,7 +132,7 @@ def initialize(model=None, config=None, mesh_param=None, model_parameters=None, 
     """
     import deepspeed
 
-    ds_initialize = _original_initialize or deepspeed.initialize
+    ds_initialize = PATCHES.original_attr(deepspeed, "initialize")
     if config is None:
         config = deepspeed_kwargs.pop("config_params", None)
     if config is None and getattr(args, "deepspeed_config", None):
@@ -174,7 +155,7 @@ def initialize(model=None, config=None, mesh_param=None, model_parameters=None, 
     if not dist.is_initialized():
         deepspeed.init_distributed(timeout=section.comm_timeout)
     _check_ranks_agree(section, model)
-    dp, sp = section.mesh(dist.get_world_size())
+    dp, sp = mesh_shape(dist.get_world_size(), section.sp, section.mesh_param)
     mesh = Mesh(dp, sp, section.comm_timeout_seconds)
     micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
     prepare_model(model, section, mesh, micro, loss_grad_scale(ds_config, sp))
@@ -186,7 +167,7 @@ def initialize(model=None, config=None, mesh_param=None, model_parameters=None, 
     _watch_engine(engine, mesh.sp_watch)
     loader = None
     if training_data is not None:
-        loader = _sp_loader(training_data, mesh, section, micro, collate_fn, _vocab_size(model))
+        loader = _sp_loader(training_data, mesh, section, micro, collate_fn, vocab_size(model))
     return engine, optimizer, loader, scheduler
 
 
@@ -203,19 +184,14 @@ def _patched_initialize(args=None, model=None, optimizer=None, model_parameters=
 
 def install() -> None:
     """Make ``deepspeed.initialize`` honour the ``"ulysses"`` section. Idempotent."""
-    global _original_initialize
     import deepspeed
 
-    if _original_initialize is None:
-        _original_initialize = deepspeed.initialize
-        deepspeed.initialize = _patched_initialize
+    if not PATCHES.has(_TAG):
+        PATCHES.set_attr(deepspeed, "initialize", _patched_initialize, _TAG)
 
 
 def uninstall() -> None:
-    """Restore the original ``deepspeed.initialize``. Idempotent."""
-    global _original_initialize
-    import deepspeed
-
-    if _original_initialize is not None:
-        deepspeed.initialize = _original_initialize
-        _original_initialize = None
+    """Undo everything this package changed in the process: ``deepspeed.initialize``, Transformers'
+    attention tables, and every model it prepared (attention, loss, tiled MLPs, checkpoint offload).
+    Idempotent."""
+    PATCHES.undo()

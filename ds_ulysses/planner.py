@@ -29,12 +29,23 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .tiled import auto_loss_shards, auto_mlp_shards
+from .constants import GIB
+from .memory.tiles import auto_loss_shards, auto_mlp_shards
 
-__all__ = ["ModelDims", "Setup", "KNOWN_MODELS", "load_dims", "layer_units", "breakdown", "fits", "recommend",
+__all__ = ["parse_size", "ModelDims", "Setup", "KNOWN_MODELS", "load_dims", "layer_units", "breakdown", "fits", "recommend",
            "max_seq_len", "cpu_rss", "ulysses_section", "add_arguments", "run_command"]
 
-GIB = float(1 << 30)
+def parse_size(text: str) -> int:
+    """``4096``, ``4K``/``4k`` (x1024) or ``1M`` (x1024^2) -> int."""
+    text = str(text).strip()
+    scale = {"k": 1 << 10, "m": 1 << 20}.get(text[-1:].lower(), 1)
+    try:
+        value = int(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise ValueError(f"expected a size like 4096, 16K or 1M, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"expected a positive size, got {text!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -268,7 +279,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_command(args: argparse.Namespace) -> int:
     import sys
 
-    from .bench import parse_size
 
     try:
         dims = load_dims(args.model)

@@ -1,0 +1,89 @@
+"""The attention layer alone: DeepSpeed's ``UlyssesSPAttentionHF`` and ours, interleaved per iteration.
+
+Whole training steps on a shared 2-core machine vary by +-50% between launches, which hides a 10%
+difference in the SP mechanism under ZeRO-3 offload and optimizer noise. Here both wrappers run in
+the same process group on the same q/k/v (``[bs hc sl_l hs]``, GQA) around the same core (HF's
+sdpa), forward + backward, alternating every iteration, so machine noise hits both alike.
+
+Dimension legend::  bs batch   hc heads   kv KV heads   sl_l local sequence length   hs head size
+
+Run as ``python -m benchmarks.layer S ITERS`` under ``RANK``/``WORLD_SIZE`` (``ds-ulysses
+bench --layer-only`` launches it); rank 0 prints one JSON line with per-implementation medians.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["run", "main"]
+
+
+class _Attn(torch.nn.Module):
+    """What HF's sdpa reads from the attention module: causal, GQA groups, training flag."""
+
+    def __init__(self, heads: int, kv_heads: int):
+        super().__init__()
+        self.is_causal, self.num_key_value_groups, self.layer_idx = True, heads // kv_heads, 0
+
+
+def run(seq_len: int, iters: int, heads: int = 8, kv_heads: int = 2, head_size: int = 32) -> dict:
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from ds_ulysses import UlyssesSPAttentionHF
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    group, ws, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    sl_l = seq_len // ws
+    theirs = ulysses_sp.UlyssesSPAttentionHF(sdpa_attention_forward, 1, heads, head_size, kv_heads, 1, group,
+                                             seq_length_is_variable=True)
+    theirs.core_attn_implementation = "sdpa"
+    ours = UlyssesSPAttentionHF(sdpa_attention_forward, 1, heads, head_size, kv_heads, 1, group,
+                                seq_length_is_variable=True, core_attn_implementation="sdpa")
+
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(1, heads, sl_l, head_size, generator=g)      # [bs hc sl_l hs]
+    kv = [torch.randn(1, kv_heads, sl_l, head_size, generator=g) for _ in range(2)]  # [bs kv sl_l hs]
+    positions = torch.arange(rank * sl_l, (rank + 1) * sl_l)[None]  # [bs sl_l]
+    impls = {"deepspeed": theirs, "ours": ours}
+    times = {name: [] for name in impls}
+    outs = {}
+    for it in range(iters + 1):
+        shift = it % len(impls)
+        order = list(impls)[shift:] + list(impls)[:shift]
+        for name in order:
+            module = _Attn(heads, kv_heads)
+            x = [t.clone().requires_grad_(True) for t in (q, *kv)]
+            dist.barrier()
+            start = time.perf_counter()
+            out, _ = impls[name](module, *x, None, position_ids=positions.clone())  # [bs sl_l hc*hs]
+            out.square().sum().backward()
+            dist.barrier()
+            if it > 0:  # the first iteration warms up both
+                times[name].append(time.perf_counter() - start)
+            outs[name] = (out.detach(), x[0].grad)
+    same = all(torch.allclose(outs[name][i], outs["deepspeed"][i], rtol=1e-4, atol=1e-5)
+               for name in impls for i in range(2))
+    return {"seq_len": seq_len, "sp": ws, "iters": iters, "same_output_and_grad": same,
+            **{f"{name}_s": statistics.median(t) for name, t in times.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    result = run(int(argv[0]), int(argv[1]))
+    if dist.get_rank() == 0:
+        print(json.dumps(result), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+"""The DeepSpeed config's ``"ulysses"`` section: its JSON Schema (the single source of truth), the
+validation that names every error, and the typed frozen :class:`UlyssesConfig` built from it."""
+
+from .schema import SECTION_KEY, UlyssesConfigError, attn_implementations, load_schema
+from .section import (ActivationCheckpointOffloadConfig, TiledLossConfig, TiledMLPConfig, UlyssesConfig,
+                      parse_ds_config)
+
+__all__ = ["SECTION_KEY", "UlyssesConfigError", "attn_implementations", "load_schema",
+           "ActivationCheckpointOffloadConfig", "TiledLossConfig", "TiledMLPConfig", "UlyssesConfig",
+           "parse_ds_config"]

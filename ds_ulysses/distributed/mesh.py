@@ -1,0 +1,175 @@
+"""The rank grid: every process group derives from one ``(dp, sp)`` mesh over the world.
+
+Ranks are laid out as ``arange(world).view(dp, sp)``: an SP group is a row (contiguous ranks, so the
+per-layer all-to-all stays inside a node), a DP group is a column (ranks that hold the same sequence
+shard of different samples). The :class:`Mesh` object is passed to whatever needs groups; nothing
+here is a module global.
+
+:class:`Mesh` doubles as the Megatron-style ``mpu`` that ``deepspeed.initialize(mpu=...)`` reads:
+DeepSpeed takes its batch arithmetic from ``get_data_parallel_world_size`` (dp), its ZeRO
+partitioning and gradient reduction from the data-parallel and sequence-data-parallel groups (every
+rank of the mesh, since SP peers hold one replica), and its SP-aware averaging from the
+sequence-parallel getters.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .watch import GroupWatch
+
+__all__ = ["Mesh", "build_mesh", "mesh_shape", "check_mesh_param"]
+
+
+def check_mesh_param(mesh_param) -> tuple[int, int]:
+    """``[dp, sp]`` as two positive ints, or a ValueError saying what came in."""
+    ok = (isinstance(mesh_param, (list, tuple)) and len(mesh_param) == 2
+          and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in mesh_param))
+    if not ok:
+        raise ValueError(
+            f"mesh_param: expected [dp, sp], two integers >= 1 with dp * sp == world size, got "
+            f"{mesh_param!r}; fix: e.g. mesh_param=[1, 2] for one SP group of 2 ranks")
+    return int(mesh_param[0]), int(mesh_param[1])
+
+
+def mesh_shape(world_size: int, sp: int | None = None, mesh_param=None) -> tuple[int, int]:
+    """The ``(dp, sp)`` grid for ``world_size`` ranks: the one place that checks ``dp * sp == world``.
+
+    ``mesh_param=(dp, sp)`` fixes both; otherwise dp is inferred as ``world_size / sp``. When both
+    ``sp`` and ``mesh_param`` are given they must agree. Raises ValueError naming dp, sp, world_size
+    and a fix.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"mesh: expected world_size to be a positive integer, got {world_size!r}; fix: pass "
+                         "torch.distributed.get_world_size()")
+    if mesh_param is not None:
+        dp, mesh_sp = check_mesh_param(mesh_param)
+        if sp is not None and sp != mesh_sp:
+            raise ValueError(f"mesh_param: expected its sp (second entry) to equal sequence_parallel_size={sp}, "
+                             f"got {list(mesh_param)}; fix: make them agree or give only one of the two")
+        if dp * mesh_sp != world_size:
+            fix = (f"set mesh_param to [{world_size // mesh_sp}, {mesh_sp}] or drop it" if world_size % mesh_sp == 0
+                   else f"launch {dp * mesh_sp} ranks or change mesh_param")
+            raise ValueError(f"mesh_param: expected dp * sp == world_size, got dp={dp} * sp={mesh_sp} = "
+                             f"{dp * mesh_sp} but world_size={world_size}; fix: {fix}")
+        return dp, mesh_sp
+    sp = 1 if sp is None else sp
+    if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
+        raise ValueError(f"sequence_parallel_size: expected an integer >= 1, got {sp!r}; fix: e.g. "
+                         "sequence_parallel_size=2")
+    if world_size % sp:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(f"sequence_parallel_size: expected sp to divide world_size, got sp={sp} and "
+                         f"world_size={world_size} (dp = {world_size}/{sp} = {world_size / sp:g}); fix: launch a "
+                         f"multiple of {sp} ranks or set sequence_parallel_size to one of {divisors}")
+    return world_size // sp, sp
+
+
+class Mesh:
+    """Process groups for a ``(dp, sp)`` grid, usable as DeepSpeed's ``mpu``.
+
+    With ``dp == sp == 1`` (or torch.distributed not initialised) every group is ``None`` and every
+    collective in the package short-circuits, so the same code runs single-process. ``sp_watch``
+    names this rank's SP group and counts its steps in the error a dead or stalled peer causes;
+    ``timeout_seconds`` bounds every collective on the mesh's groups.
+    """
+
+    def __init__(self, dp: int, sp: int, timeout_seconds: float | None = None):
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        dp, sp = mesh_shape(world, mesh_param=(dp, sp))
+        self.dp, self.sp, self.world_size = dp, sp, world
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.dp_rank, self.sp_rank = divmod(self.rank, sp)
+        self.sp_group = self.dp_group = None
+        self.sp_ranks = [self.rank]
+        self.dp_ranks = [self.rank]
+        self.timeout_seconds = timeout_seconds
+        self.sp_watch = GroupWatch(self.sp_ranks, timeout_seconds)
+        if not dist.is_initialized():
+            return
+        # groups exist even for a 1-rank world: DeepSpeed broadcasts and reduces over them
+        grid = torch.arange(world).view(dp, sp)  # [dp sp]
+        timeout = None if timeout_seconds is None else timedelta(seconds=timeout_seconds)
+        # every rank must create every group, in the same order
+        for row in grid.tolist():
+            group = dist.new_group(row, timeout=timeout)
+            if self.rank in row:
+                self.sp_group, self.sp_ranks = group, row
+                self.sp_watch = GroupWatch(row, timeout_seconds)
+        for col in grid.t().tolist():
+            group = dist.new_group(col, timeout=timeout)
+            if self.rank in col:
+                self.dp_group, self.dp_ranks = group, col
+
+    def __repr__(self) -> str:
+        return f"Mesh(dp={self.dp}, sp={self.sp}, rank={self.rank}, sp_rank={self.sp_rank})"
+
+    # -- the mpu interface DeepSpeed reads ------------------------------------------------------
+    def get_sequence_parallel_group(self):
+        return self.sp_group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.sp
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.sp_rank
+
+    def get_data_parallel_group(self):
+        # DeepSpeed partitions ZeRO-3 parameters (and reduce-scatters their gradients) over this
+        # group. SP peers hold the same replica, so for ZeRO it is every rank of the mesh; handing
+        # it the pure DP column leaves gradients unreduced across SP peers. The column is
+        # ``self.dp_group``; get_data_parallel_world_size stays dp for DeepSpeed's batch arithmetic.
+        return self.get_sequence_data_parallel_group()
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_sequence_data_parallel_group(self):
+        return dist.group.WORLD if dist.is_initialized() else None
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.world_size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_group(self):
+        return None
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_tensor_model_parallel_group(self):
+        return None
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_pipeline_model_parallel_group(self):
+        return None
+
+
+def build_mesh(sequence_parallel_size: int | None = None, mesh_param=None,
+               timeout_seconds: float | None = None) -> Mesh:
+    """Mesh from ``mesh_param=(dp, sp)`` or from ``sequence_parallel_size`` with dp inferred."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dp, sp = mesh_shape(world, sequence_parallel_size, mesh_param)
+    return Mesh(dp, sp, timeout_seconds)

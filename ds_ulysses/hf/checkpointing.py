@@ -1,0 +1,76 @@
+"""Activation-checkpoint offload on a Transformers model: every gradient-checkpointed layer's
+checkpoint function runs under :class:`~ds_ulysses.memory.offload.OffloadedCheckpoint`, so the
+inputs each layer saves for its recompute wait in host memory."""
+
+from ..memory.offload import OffloadedCheckpoint
+from ..patching import PATCHES
+
+__all__ = ["enable_activation_checkpoint_offload", "disable_activation_checkpoint_offload"]
+
+_TAG = "checkpoint_offload"
+
+
+def enable_activation_checkpoint_offload(model):
+    """Offload the checkpointed inputs of every gradient-checkpointed layer of a HF `model` to the host.
+
+    Turns gradient checkpointing on first if it is off (non-reentrant, the mode that composes with
+    ZeRO-3 and with saved-tensor hooks). `model` may be the HF model or anything containing it (a
+    PEFT wrapper, a DeepSpeed engine). Idempotent; returns how many layers offload. Call it again
+    after a later `gradient_checkpointing_enable()`, which installs fresh checkpoint functions.
+    Undone by `disable_activation_checkpoint_offload` or `ds_ulysses.uninstall`.
+    """
+    if not _checkpointing_on(model):
+        owner = _checkpointing_owner(model)
+        enable = getattr(owner, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            PATCHES.on_undo(owner.activation_checkpointing_disable, _TAG, owner=model)
+        else:
+            owner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            PATCHES.on_undo(owner.gradient_checkpointing_disable, _TAG, owner=model)
+    count = 0
+    for module in _checkpointed_layers(model):
+        if not isinstance(module._gradient_checkpointing_func, OffloadedCheckpoint):
+            module._gradient_checkpointing_func = OffloadedCheckpoint(module._gradient_checkpointing_func)
+            PATCHES.on_undo(lambda module=module: _unwrap(module), _TAG, owner=model)
+        count += 1
+    return count
+
+
+def disable_activation_checkpoint_offload(model):
+    """Undo `enable_activation_checkpoint_offload`: restore each layer's checkpoint function, and turn
+    gradient checkpointing back off if the enable call turned it on. Idempotent; returns how many
+    layers were restored."""
+    count = sum(isinstance(m.__dict__.get("_gradient_checkpointing_func"), OffloadedCheckpoint) for m in model.modules())
+    PATCHES.undo(_TAG, owner=model)
+    return count
+
+
+def _unwrap(module) -> None:
+    func = module.__dict__.get("_gradient_checkpointing_func")
+    if isinstance(func, OffloadedCheckpoint):
+        module._gradient_checkpointing_func = func.checkpoint
+
+
+def _checkpointed_layers(model):
+    """The decoder layers that checkpoint themselves; models of the older style, whose layer loop
+    calls the checkpoint function, have none, and then every module holding one is wrapped."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    holders = [m for m in model.modules()
+               if getattr(m, "gradient_checkpointing", False) is True and hasattr(m, "_gradient_checkpointing_func")]
+    return [m for m in holders if isinstance(m, GradientCheckpointingLayer)] or holders
+
+
+def _checkpointing_on(model):
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def _checkpointing_owner(model):
+    """The outermost module that can switch gradient checkpointing on (the HF PreTrainedModel)."""
+    for module in model.modules():
+        if hasattr(module, "activation_checkpointing_enable") or hasattr(module, "gradient_checkpointing_enable"):
+            return module
+    raise ValueError(f"activation checkpoint offload needs a HuggingFace model with gradient checkpointing "
+                     f"support, got {type(model).__name__} with none inside; pass the PreTrainedModel (or a "
+                     "wrapper containing it)")

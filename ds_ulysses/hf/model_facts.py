@@ -1,0 +1,33 @@
+"""Facts read off a Transformers model, each looked up in one place."""
+
+from __future__ import annotations
+
+from ..memory.tiles import weight_rows
+
+__all__ = ["text_config", "vocab_size", "layout_facts"]
+
+
+def text_config(model_or_config):
+    """The language model's config (the text sub-config of a multimodal model)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def vocab_size(model, output: bool = False) -> int | None:
+    """Rows of the input embedding (what token ids index) or, with ``output``, of the output head
+    (what labels index); the config's ``vocab_size`` when the model has no such layer."""
+    get = getattr(model, "get_output_embeddings" if output else "get_input_embeddings", None)
+    layer = get() if callable(get) else None
+    rows = getattr(layer, "out_features" if output else "num_embeddings", None)
+    if rows is None and layer is not None and getattr(layer, "weight", None) is not None:
+        rows = weight_rows(layer)
+    if rows is None:
+        rows = getattr(text_config(model), "vocab_size", None)
+    return rows if isinstance(rows, int) else None
+
+
+def layout_facts(model) -> dict:
+    """The model facts SP peers must agree on (head layout, depth, vocabulary)."""
+    text = text_config(model)
+    names = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "num_hidden_layers")
+    return {**{n: getattr(text, n, None) for n in names}, "vocab": vocab_size(model)}

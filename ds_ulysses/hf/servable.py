@@ -1,0 +1,107 @@
+"""Which models Ulysses SP serves exactly, decided from the config and modules before any collective.
+
+Deterministic checks: every rank sees the same model and raises the same error on its own, without
+talking, so a refused model never leaves a peer waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+__all__ = ["check_model_servable", "decoder_of", "sliding_layers", "SERVABLE_LAYER_TYPES"]
+
+# Layer types (Transformers' ``layer_types``) whose token mixing is attention SP can serve, or that
+# do not mix tokens at all (MLP/MoE kinds). Anything else mixes tokens in a way a shard cannot see.
+SERVABLE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "dense", "sparse",
+                                  "moe", "mlp"})
+# Models whose every layer is recurrent and whose config carries no layer_types.
+RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"})
+# Module class names of token mixers outside attention (state-space, linear attention, recurrences,
+# short convolutions), as Transformers names them.
+_TOKEN_MIXER = re.compile(r"Mamba|Mixer|DeltaNet|ShortConv|Lightning|Rglru|RecurrentBlock|Rwkv|xLSTM|"
+                          r"mLSTM|sLSTM|LinearAttention|Hyena|StateSpace")
+
+
+def _layer_kinds(text) -> list:
+    for name in ("layer_types", "layers_block_type", "block_types"):
+        kinds = getattr(text, name, None)
+        if isinstance(kinds, (list, tuple)) and kinds:
+            return [(name, i, kind) for i, kind in enumerate(kinds)]
+    return []
+
+
+def check_model_servable(config, model=None) -> None:
+    """Refuse models whose outputs SP would compute wrongly without any error.
+
+    Ulysses shards the sequence everywhere except inside attention, so a layer that mixes tokens by
+    any other means (a state-space scan, linear attention, a causal convolution) sees only its
+    rank's tokens and silently computes something else (Accelerate #4177). Chunked attention would
+    need its chunk mask, which SP drops with the local mask.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(text, "model_type", "") or getattr(config, "model_type", "")
+    if model_type in RECURRENT_MODEL_TYPES:
+        raise ValueError(
+            f"model not servable by Ulysses SP: {model_type!r} mixes tokens with a recurrence/state-space "
+            "scan, not attention, so each rank would see only its own shard; expected a transformer whose "
+            "token mixing is attention; fix: train it without sequence parallelism")
+    bad = [(name, i, kind) for name, i, kind in _layer_kinds(text) if kind not in SERVABLE_LAYER_TYPES]
+    if bad:
+        kinds = sorted({kind for _, _, kind in bad})
+        layers = [i for _, i, _ in bad]
+        shown = ", ".join(map(str, layers[:8])) + (", ..." if len(layers) > 8 else "")
+        raise ValueError(
+            f"model not servable by Ulysses SP: {bad[0][0]} has {kinds} at layers [{shown}]; expected only "
+            f"{sorted(SERVABLE_LAYER_TYPES)}: these layers mix tokens outside attention (or need a mask SP "
+            "drops), so a shard would see only its own tokens and train silently wrong; fix: train this "
+            "model without sequence parallelism")
+    chunk = getattr(text, "attention_chunk_size", None)
+    if chunk:
+        raise ValueError(
+            f"model not servable by Ulysses SP: chunked attention (attention_chunk_size={chunk}) is not "
+            "honoured on the gathered sequence (its chunk mask is dropped with the local mask); expected "
+            "attention_chunk_size=None; fix: train without SP, or set attention_chunk_size to None only if "
+            "full causal attention is what you want")
+    heads = getattr(text, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads < 1:
+        raise ValueError(
+            f"model not servable by Ulysses SP: its config has no attention head count "
+            f"(num_attention_heads={heads!r}); expected a transformer with num_attention_heads >= 1")
+    if model is not None:
+        _check_modules(model)
+
+
+def decoder_of(model):
+    """The text decoder (the language model of a multimodal model; the model itself otherwise).
+
+    Only it is scanned for token mixers: vision and audio towers hold convolutions that are theirs.
+    """
+    get_decoder = getattr(model, "get_decoder", None)
+    try:
+        return (get_decoder() if callable(get_decoder) else None) or model
+    except (AttributeError, NotImplementedError):
+        return model
+
+
+def _check_modules(model) -> None:
+    for name, module in decoder_of(model).named_modules():
+        kind = type(module).__name__
+        if isinstance(module, torch.nn.Conv1d) or _TOKEN_MIXER.search(kind):
+            raise ValueError(
+                f"model not servable by Ulysses SP: '{name}' ({kind}) mixes tokens outside attention, so "
+                "under SP it would see only its rank's shard and train silently wrong; expected token "
+                "mixing by attention only; fix: train this model without sequence parallelism")
+
+
+def sliding_layers(config) -> frozenset:
+    """Indices of layers that attend within a sliding window (empty when the model has none)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    if not window:
+        return frozenset()
+    kinds = getattr(text, "layer_types", None)
+    if kinds:
+        return frozenset(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+    return frozenset(range(getattr(text, "num_hidden_layers", 0)))

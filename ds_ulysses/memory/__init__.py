@@ -1,0 +1,14 @@
+"""The ALST memory tools: tiled compute along the sequence (:func:`sequence_tiled_compute`,
+:class:`TiledMLP`, :class:`TiledFusedLogitsLoss`, :func:`tile_mlps`) and activation-checkpoint offload.
+Imports torch, and DeepSpeed's ZeRO helpers only when parameters are ZeRO-3 partitioned."""
+
+from .mlp_tiling import tile_mlps, untile_mlps
+from .offload import OffloadedCheckpoint
+from .sequence_tiled import SequenceTiledCompute, sequence_tiled_compute
+from .tiled_loss import TiledFusedLogitsLoss
+from .tiled_mlp import TiledMLP
+from .tiles import agree_on_shards, auto_loss_shards, auto_mlp_shards, resolve_loss_shards
+
+__all__ = ["tile_mlps", "untile_mlps", "OffloadedCheckpoint", "SequenceTiledCompute", "sequence_tiled_compute",
+           "TiledFusedLogitsLoss", "TiledMLP", "agree_on_shards", "auto_loss_shards", "auto_mlp_shards",
+           "resolve_loss_shards"]

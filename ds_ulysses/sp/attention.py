@@ -1,0 +1,247 @@
+"""Ulysses attention: the wrapper around a core attention function of Transformers' signature.
+
+Dimension legend::
+
+    bs  batch   sl  global sequence length   sl_l  local sequence length
+    hc  heads   hc_l  heads this rank owns   hs    head size   em  hc * hs
+
+Per attention layer: one all-to-all carries q, k and v together from sequence-sharded to
+head-sharded, the unmodified core attention (sdpa, flash_attention_2/3, flex_attention) runs on the
+whole sequence for this rank's heads, and one all-to-all carries the output back. Global
+position_ids are gathered once per forward (the same local tensor reaches every layer and is
+recognised), so packed documents are attended per document and RoPE-free cores still see them.
+The same gather carries each rank's :class:`~ds_ulysses.sp.forward_check.ForwardFacts` (position_ids
+present, integer, shaped like the shard; batch size and dtype equal across ranks), so a bad input
+raises the same error on every rank before any tensor is exchanged. Nothing here imports
+Transformers: :class:`ds_ulysses.UlyssesSPAttentionHF` adds the registration with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from ..config import attn_implementations
+from ..distributed import HeadLayout, HeadsToSeq, SeqToHeads
+from ..distributed.collectives import collective_device
+from ..distributed.watch import GroupWatch
+from .forward_check import ForwardFacts, check_forward, check_positions
+from .heads import plan_heads
+from .packed import find_documents, packed_attention
+
+__all__ = ["UlyssesAttention", "check_core_attention"]
+
+
+def check_core_attention(name: str) -> None:
+    if name in ("eager", "paged|eager"):
+        raise ValueError(
+            f"attn_implementation '{name}' cannot run under Ulysses SP: eager attention needs a full "
+            "S x S attention mask built for the local shard, which is both wrong after the all-to-all "
+            "and O(S^2) memory; use 'sdpa' (CPU or GPU), 'flash_attention_2'/'flash_attention_3' (GPU) "
+            "or 'flex_attention'")
+    if name not in attn_implementations():
+        raise ValueError(
+            f"unknown core attention '{name}'; expected one of {', '.join(attn_implementations())}")
+
+
+class UlyssesAttention(torch.nn.Module):
+    """Sequence-parallel attention around a core attention function of Transformers' signature.
+
+    The machinery behind :class:`ds_ulysses.UlyssesSPAttentionHF`: same constructor and ``forward`` contract
+    (q/k/v ``[bs hc sl_l hs]`` in, ``([bs sl_l em], attn_weights)`` out). Unlike it, any head count
+    works for any sp <= heads, sequence shards may differ in length, and packed documents are
+    attended per document under every core. Keyword-only extras: ``watch`` (the mesh's
+    ``sp_watch``: names the group and counts steps in failure messages) and ``sliding_layers``
+    (indices of layers that must receive their window as ``sliding_window``).
+    """
+
+    def __init__(self, attn, batch_size: int, attn_head_count: int, attn_head_size: int,
+                 kv_head_count: int, num_hidden_layers: int, process_group,
+                 seq_length_is_variable: bool = False, local_seq_length: int | None = None,
+                 global_seq_length: int | None = None, disable_in_eval: bool = False,
+                 core_attn_implementation: str = "sdpa", *, watch: GroupWatch | None = None,
+                 sliding_layers: frozenset = frozenset()) -> None:
+        super().__init__()
+        check_core_attention(core_attn_implementation)
+        self.attn = attn
+        self.core_attn_implementation = core_attn_implementation
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        self.sp_rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+        self.batch_size = batch_size
+        self.attn_head_count, self.attn_head_size = attn_head_count, attn_head_size
+        self.kv_head_count = kv_head_count
+        self.num_hidden_layers = num_hidden_layers
+        self.seq_length_is_variable = seq_length_is_variable
+        self.local_seq_length, self.global_seq_length = local_seq_length, global_seq_length
+        self.disable_in_eval = disable_in_eval
+        self.heads = plan_heads(attn_head_count, kv_head_count, self.world_size)
+        self.watch = watch if watch is not None else GroupWatch.of_group(process_group)
+        self.sliding_layers = sliding_layers  # layer_idx of layers whose window must arrive as a kwarg
+        # the PositionCheck of the model call itself, set per forward by the hook registration adds:
+        # HF decoders invent local arange positions when none are given (silently wrong under SP),
+        # and fail in RoPE before attention on a mis-shaped tensor (the hook swaps in a stand-in)
+        self.input_verdict = None
+        self._forward_state = None  # (position_ids as given, its version, gathered state)
+        self._layouts: dict = {}
+
+    # -- once per model forward -----------------------------------------------------------------
+    def _gather_positions(self, given, query: torch.Tensor):
+        """Global position_ids and every rank's shard length, gathered once per model forward.
+
+        Every layer receives the very same position_ids tensor, so the first layer gathers and the
+        others (and gradient-checkpointing recomputes) reuse it. The first gather also carries each
+        rank's check of its inputs, so every rank raises the same error or none does.
+        """
+        state = self._forward_state
+        if state is not None and given is not None and state[0] is given and state[1] == given._version:
+            return state[2]
+        self.watch.step += 1
+        bs, _, sl_l, _ = query.shape
+        positions = check_positions(given, bs, sl_l)
+        if self.input_verdict is not None and not self.input_verdict.ok:
+            positions = self.input_verdict
+        self.input_verdict = None
+        device = collective_device(self.process_group)
+        mine = ForwardFacts.of(query, positions, self.attn_head_count).to_tensor(device)  # [width]
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        with self.watch.collective("the attention's shard-length gather"):
+            dist.all_gather(rows, mine, group=self.process_group)
+        every = [ForwardFacts.from_tensor(r) for r in rows]
+        check_forward(every, self.attn_head_count, None if self.seq_length_is_variable else self.global_seq_length)
+        seq_lens = tuple(f.seq_len for f in every)
+        local = given.expand(bs, sl_l) if given.shape[0] != bs else given
+        padded = torch.zeros(bs, max(seq_lens), dtype=torch.long, device=device)
+        padded[:, :sl_l] = local
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        with self.watch.collective("the attention's position_ids gather"):
+            dist.all_gather(parts, padded, group=self.process_group)
+        positions = torch.cat([p[:, :n] for p, n in zip(parts, seq_lens)], dim=1).to(query.device)  # [bs sl]
+        gathered = _Gathered(positions, seq_lens, find_documents(positions))
+        self._forward_state = (given, given._version, gathered)
+        return gathered
+
+    def _layout(self, seq_lens, qkv: bool) -> HeadLayout:
+        key = (seq_lens, qkv)
+        if key not in self._layouts:
+            heads = (self.heads.q_heads, self.heads.kv_heads, self.heads.kv_heads) if qkv else (self.heads.q_heads,)
+            counts = (self.attn_head_count, self.kv_head_count, self.kv_head_count) if qkv else (self.attn_head_count,)
+            self._layouts[key] = HeadLayout(self.process_group, self.sp_rank, heads, counts, seq_lens)
+        return self._layouts[key]
+
+    # -- per layer ------------------------------------------------------------------------------
+    def forward(self, module, query, key, value, attention_mask, *args, **kwargs):
+        """q/k/v ``[bs hc sl_l hs]`` -> ``([bs sl_l em], attn_weights)``.
+
+        ``attention_mask`` is ignored under SP: a mask built for the local shard means nothing
+        after the all-to-all; causality and document boundaries come from the global position_ids.
+        """
+        if self.world_size == 1 or (self.disable_in_eval and not module.training):
+            return self.attn(module, query, key, value, attention_mask, *args, **kwargs)
+        bs, _, sl_l, _ = query.shape
+        state = self._gather_positions(kwargs.get("position_ids"), query)
+        seq_lens = state.seq_lens
+        if self.sliding_layers and kwargs.get("sliding_window") is None:
+            self._check_window_passed(module)
+
+        # [bs hc sl_l hs] -> [bs sl_l hc hs] -> all-to-all -> [bs sl hc_l hs] -> [bs hc_l sl hs]
+        try:
+            q, k, v = SeqToHeads.apply(self._layout(seq_lens, True), *(x.transpose(1, 2) for x in (query, key, value)))
+        except RuntimeError as err:
+            self.watch.reraise("the attention's q/k/v all-to-all", err)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        kwargs["position_ids"] = state.positions
+        out, weights = self._core(module, q, k, v, state, *args, **kwargs)  # [bs sl hc_l hs]
+        # [bs sl hc_l hs] -> all-to-all -> [bs sl_l hc hs] -> [bs sl_l em]
+        try:
+            (out,) = HeadsToSeq.apply(self._layout(seq_lens, False), out)
+        except RuntimeError as err:
+            self.watch.reraise("the attention's output all-to-all", err)
+        return out.reshape(bs, sl_l, -1), weights
+
+    def _check_window_passed(self, module) -> None:
+        """A sliding layer whose model encodes the window only in the mask (which SP drops) would
+        attend past the window; such models are refused on their first SP forward, on every rank.
+        Runs only for models with sliding layers, and only when the call carries no window."""
+        layer = getattr(module, "layer_idx", None)
+        if layer in self.sliding_layers:
+            raise ValueError(
+                f"model not servable by Ulysses SP: layer {layer} attends within a sliding window, but its "
+                "attention call passes no sliding_window (the model encodes the window only in the attention "
+                "mask, which SP replaces with global positions), so it would attend past the window and train "
+                "silently wrong; expected the window as the core attention's sliding_window argument; fix: "
+                "train without SP, or disable the window in the model config")
+
+    def _core(self, module, q, k, v, state: "_Gathered", *args, **kwargs):
+        groups_attr = hasattr(module, "num_key_value_groups")
+        saved = getattr(module, "num_key_value_groups", None)
+        if groups_attr:
+            module.num_key_value_groups = self.heads.kv_groups(self.sp_rank)
+        try:
+            core = self.core_attn_implementation
+            window = kwargs.get("sliding_window")
+            if core == "sdpa":
+                if state.docs.packed or (window is not None and q.shape[2] > window):
+                    kwargs.pop("position_ids")
+                    kwargs.pop("sliding_window", None)
+                    return packed_attention(self.attn, module, q, k, v, state.docs, window, **kwargs)
+                return self.attn(module, q, k, v, None, *args, **kwargs)
+            if core == "flex_attention":
+                mask = state.flex_mask(window)
+                return self.attn(module, q, k, v, mask, *args, **kwargs)
+            # flash kernels read packing from the global position_ids (their varlen path) and the
+            # window from sliding_window (passed through in kwargs); Transformers' flash forward picks
+            # its kernel by the module config's attention name, which here is the SP wrapper's
+            with _core_name(module, core):
+                return self.attn(module, q, k, v, None, *args, **kwargs)
+        finally:
+            if groups_attr:
+                module.num_key_value_groups = saved
+
+
+@contextlib.contextmanager
+def _core_name(module, core: str):
+    """Show the core attention's own name in ``module.config`` for the duration of one core call."""
+    config = getattr(module, "config", None)
+    saved = getattr(config, "_attn_implementation_internal", None)
+    if saved is None or saved == core:
+        yield
+        return
+    config._attn_implementation_internal = core
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = saved
+
+
+class _Gathered:
+    """What one model forward shares across its layers: global positions, shard lengths, documents."""
+
+    def __init__(self, positions: torch.Tensor, seq_lens: tuple[int, ...], docs):
+        self.positions, self.seq_lens, self.docs = positions, seq_lens, docs
+        self._flex_masks: dict = {}
+
+    def flex_mask(self, window):
+        if window not in self._flex_masks:
+            self._flex_masks[window] = _flex_block_mask(self.positions, window)
+        return self._flex_masks[window]
+
+
+def _flex_block_mask(positions: torch.Tensor, window):
+    """Causal, per-document (and windowed) BlockMask over the gathered sequence."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bs, sl = positions.shape
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    doc = starts.cumsum(dim=1)  # [bs sl]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = (q_idx >= kv_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+        if window is not None:
+            keep = keep & (q_idx - kv_idx < window)
+        return keep
+
+    return create_block_mask(mask_mod, B=bs, H=None, Q_LEN=sl, KV_LEN=sl, device=positions.device)

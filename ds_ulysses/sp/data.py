@@ -1,0 +1,242 @@
+"""The data loader adapter: every SP rank's sample, sharded on the sequence, to every SP rank.
+
+Dimension legend::
+
+    bs  batch   sl  sequence length (padded to a multiple of ws)   sl_l = sl / ws   ws  SP world size
+
+Each rank draws one batch from its own loader; the SP group then processes those ws batches one
+after the other, each sharded over the group. A refill is one all-to-all: rank ``r`` sends peer
+``p`` the ``p``-th sequence shard of its batch, so a rank receives ``sl`` tokens per tensor (its
+shard of each of the ws batches), where an all_gather of whole batches would deliver ``sl * ws``.
+All tensors of a batch travel in the same collective, as bytes. A small JSON metadata exchange
+first carries each rank's verdict on its own batch (:func:`ds_ulysses.sp.batch_check.check_batch`) and
+checks that every rank's batch agrees in keys and dtypes, so a bad batch raises the same error on
+every rank instead of raising on one while the others hang, or aborting gloo. Non-tensor entries
+travel as JSON too: nothing a peer sends is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from ..constants import IGNORE_INDEX
+from ..distributed.collectives import all_gather_bytes, collective_device
+from ..distributed.watch import GroupWatch
+from .batch_check import check_batch, first_error
+
+__all__ = ["UlyssesSPDataLoaderAdapter", "prepare_sample"]
+
+
+def prepare_sample(batch: dict, sp_world_size: int, pad_to_multiple: bool = True, pad_token_id: int = 0,
+                   vocab_size: int | None = None) -> dict:
+    """Check the batch, shift labels, add missing position_ids, pad to a multiple of ``sp_world_size``.
+
+    ``labels`` become ``shift_labels`` (left by one, ``-100`` appended) before padding, so the
+    model never has to shift across a shard boundary. Padded tokens get ``-100`` labels and
+    position_ids that continue the last document: causal attention never lets real tokens see them.
+    With ``vocab_size``, token ids and labels are range-checked here, where the sample is known,
+    rather than failing inside an embedding or the loss on one rank.
+    """
+    check_batch(batch, vocab_size)
+    batch = dict(batch)
+    bs, sl = batch["input_ids"].shape
+    if "position_ids" not in batch:
+        batch["position_ids"] = torch.arange(sl).expand(bs, sl).clone()
+    if "labels" in batch:
+        labels = batch.pop("labels")
+        batch["shift_labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    pad = -sl % sp_world_size
+    if pad and not pad_to_multiple:
+        raise ValueError(
+            f"sequence length {sl} is not divisible by sequence_parallel_size={sp_world_size}; "
+            f"pad every sample to a multiple of {sp_world_size} (e.g. {sl + pad} tokens), or set "
+            "\"pad_to_multiple\": true in the ulysses section")
+    if pad:
+        for key, value in batch.items():
+            if not torch.is_tensor(value):
+                continue
+            if key == "position_ids":
+                step = torch.arange(1, pad + 1, dtype=value.dtype)
+                batch[key] = torch.cat([value, value[:, -1:] + step], dim=1)
+                continue
+            fill = {"input_ids": pad_token_id, "shift_labels": IGNORE_INDEX}.get(key, 0)
+            tail = value.new_full((value.shape[0], pad, *value.shape[2:]), fill)
+            batch[key] = torch.cat([value, tail], dim=1)
+    return batch
+
+
+class UlyssesSPDataLoaderAdapter:
+    """Iterator over sequence shards; drop-in for DeepSpeed's adapter of the same name.
+
+    ``len()`` is ``len(dl) * sp_world_size``; micro-batch ``k`` of a refill is SP rank ``k``'s batch,
+    sharded on dim 1; tensor shards are on CPU, non-tensor entries are copied unchanged. Beyond
+    DeepSpeed's: ranks may draw samples of different lengths, any length is padded to a multiple of
+    sp (``pad_to_multiple``), and missing position_ids are generated. ``vocab_size`` range-checks
+    token ids and labels at refill; ``watch`` (the mesh's ``sp_watch``) names the group and step if
+    an exchange fails. A bad batch on any rank raises the same error on every rank.
+    """
+
+    def __init__(self, dl, sp_rank: int, sp_group, sp_world_size: int, device,
+                 *, pad_to_multiple: bool = True, pad_token_id: int = 0, vocab_size: int | None = None,
+                 watch: GroupWatch | None = None):
+        self.dl = dl
+        self.sp_rank, self.sp_group, self.sp_world_size = sp_rank, sp_group, sp_world_size
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.pad_to_multiple, self.pad_token_id, self.vocab_size = pad_to_multiple, pad_token_id, vocab_size
+        self.watch = watch if watch is not None else GroupWatch.of_group(sp_group)
+        self.iter = iter(dl)
+        self.micro_batches: deque = deque()
+
+    def __len__(self) -> int:
+        # each batch the wrapped loader yields becomes sp micro-batches: one per sample owner in the group
+        return self.sp_world_size * len(self.dl)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if not self.micro_batches:
+            self.refill()
+        return self.micro_batches.popleft()
+
+    def refill(self) -> None:
+        """Draw this rank's batch, check it, and exchange shards with the SP group.
+
+        A rank whose batch fails its checks does not raise on its own (its peers would wait in the
+        exchange): its error travels in place of its metadata, and every rank raises it.
+        """
+        try:
+            batch = next(self.iter)
+        except StopIteration:
+            batch = None
+        error = None
+        if batch is not None:
+            try:
+                batch = prepare_sample(batch, self.sp_world_size, self.pad_to_multiple, self.pad_token_id,
+                                       self.vocab_size)
+            except ValueError as err:
+                if self.sp_world_size == 1:
+                    raise
+                batch, error = None, str(err)
+        metas = self._exchange_meta(batch, error)
+        message = first_error([(r, m["error"]) for r, m in enumerate(metas) if m is not None and "error" in m])
+        if message is not None:
+            raise ValueError(message)
+        if any(m is None for m in metas):
+            # an epoch ends for the whole group together; the next iteration starts a new one
+            self.iter = iter(self.dl)
+            raise StopIteration
+        _check_agreement(metas)
+        tensors = self._exchange_tensors(batch, metas)
+        for k, meta in enumerate(metas):
+            micro = dict(meta["objects"])
+            micro.update(tensors[k])
+            self.micro_batches.append({key: micro[key] for key in meta["order"]})
+
+    # -- collectives ----------------------------------------------------------------------------
+    def _exchange_meta(self, batch, error: str | None = None) -> list:
+        """Every rank's batch description (or its error), as JSON: peers' data is never unpickled."""
+        meta = None if error is None else {"error": error}
+        if batch is not None:
+            tensors = {k: v for k, v in batch.items() if torch.is_tensor(v)}
+            objects = {k: v for k, v in batch.items() if not torch.is_tensor(v)}
+            meta = {
+                "order": list(batch),
+                "tensors": {k: [str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in tensors.items()},
+                "objects": objects,
+            }
+        if self.sp_world_size == 1:
+            return [meta]
+        try:
+            payload = json.dumps(meta).encode()
+        except (TypeError, ValueError):
+            payload = json.dumps({"error": _not_json(meta["objects"])}).encode()
+        with self.watch.collective("the data adapter's metadata exchange"):
+            raws = all_gather_bytes(payload, self.sp_group)
+        return [json.loads(raw) for raw in raws]
+
+    def _exchange_tensors(self, batch, metas) -> list[dict]:
+        ws = self.sp_world_size
+        keys = sorted(metas[0]["tensors"])
+        if ws == 1:
+            return [{k: batch[k].cpu() for k in keys}]
+        # send: peer p gets shard p of each of my tensors, as raw bytes, keys in sorted order
+        chunks, send_sizes = [], []
+        for p in range(ws):
+            size = 0
+            for k in keys:
+                value = batch[k]
+                sl_l = value.shape[1] // ws
+                part = value[:, p * sl_l:(p + 1) * sl_l].contiguous().view(torch.uint8).reshape(-1)
+                chunks.append(part)
+                size += part.numel()
+            send_sizes.append(size)
+        send = torch.cat(chunks).to(collective_device(self.sp_group))
+        shapes = [{k: _shard_shape(metas[src]["tensors"][k][1], ws) for k in keys} for src in range(ws)]
+        dtypes = {k: _dtype(metas[0]["tensors"][k][0]) for k in keys}
+        recv_sizes = [sum(_numel(shapes[src][k]) * _itemsize(dtypes[k]) for k in keys) for src in range(ws)]
+        recv = send.new_empty(sum(recv_sizes))
+        with self.watch.collective("the data adapter's shard exchange"):
+            dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.sp_group)
+        out = []
+        for src, block in enumerate(recv.cpu().split(recv_sizes)):
+            offset, micro = 0, {}
+            for k in keys:
+                nbytes = _numel(shapes[src][k]) * _itemsize(dtypes[k])
+                micro[k] = block[offset:offset + nbytes].clone().view(dtypes[k]).view(shapes[src][k])
+                offset += nbytes
+            out.append(micro)
+        return out
+
+
+def _shard_shape(shape, ws):
+    return [shape[0], shape[1] // ws, *shape[2:]]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"a peer described a tensor dtype as {name!r}; expected a torch dtype name")
+    return dtype
+
+
+def _not_json(objects: dict) -> str:
+    bad = []
+    for key, value in objects.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            bad.append(f"'{key}' ({type(value).__name__})")
+    return (f"non-tensor batch entries {', '.join(bad)} are not JSON-serializable; they are sent to SP "
+            "peers as JSON (never pickled); expected str, int, float, bool, None, or lists/dicts of those; "
+            "fix: convert them (e.g. to lists or tensors) or drop them from the batch in the collator")
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _check_agreement(metas) -> None:
+    first = metas[0]["tensors"]
+    for rank, meta in enumerate(metas[1:], start=1):
+        mine = meta["tensors"]
+        if sorted(mine) != sorted(first):
+            raise ValueError(
+                f"SP ranks drew batches with different tensor keys: rank 0 has {sorted(first)}, rank "
+                f"{rank} has {sorted(mine)}; every rank's loader must yield the same keys")
+        for key, (dtype, shape) in mine.items():
+            if dtype != first[key][0] or shape[2:] != first[key][1][2:]:
+                raise ValueError(
+                    f"SP ranks disagree on '{key}': rank 0 has {first[key][0]} {first[key][1]}, rank "
+                    f"{rank} has {dtype} {shape}; only the batch and sequence dims may differ")

@@ -1,0 +1,152 @@
+"""The once-per-forward check of the SP attention's inputs, exchanged as one typed record.
+
+Every SP rank must enter the attention's collectives with its shard of the same micro-batch. A rank
+whose input is wrong (no position_ids, a mis-shaped tensor, another batch size or dtype than its
+peers) must not raise alone while the others wait in the all-to-all. So each rank describes its
+forward as a :class:`ForwardFacts` record; the records of all SP ranks are all-gathered once per
+model forward (the gather that also carries each rank's shard length), and :func:`check_forward`
+raises the same error on every rank, or none.
+
+:class:`PositionCheck` is the verdict on the position_ids of one call. The SP attention makes it from
+the kwargs it receives; the decoder pre-hook that Transformers registration installs makes it from
+the model call itself (Transformers would otherwise invent local ``arange`` positions, silently
+wrong under SP) and hands it to the attention for the next gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from .batch_check import first_error, is_int_tensor
+
+__all__ = ["Problem", "PositionCheck", "ForwardFacts", "check_positions", "check_forward"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def dtype_code(dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
+
+
+def dtype_name(code: int) -> str:
+    return str(_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_DTYPES) else "an unsupported dtype"
+
+
+class Problem(enum.IntEnum):
+    OK = 0
+    NO_POSITIONS = 1
+    POSITIONS_DTYPE = 2
+    POSITIONS_SHAPE = 3
+    NEGATIVE_POSITIONS = 4
+    HEADS = 5
+
+
+@dataclass(frozen=True)
+class PositionCheck:
+    """This rank's position_ids against its shard ``[bs, sl_l]``."""
+
+    problem: int = Problem.OK
+    dtype: int = -1      # dtype code when the dtype is the problem
+    ndim: int = 0
+    dim0: int = 0
+    dim1: int = 0
+    minimum: int = 0     # the negative value when that is the problem
+
+    @property
+    def ok(self) -> bool:
+        return self.problem == Problem.OK
+
+
+def check_positions(position_ids, bs: int, sl_l: int) -> PositionCheck:
+    if position_ids is None:
+        return PositionCheck(Problem.NO_POSITIONS)
+    if not torch.is_tensor(position_ids) or not is_int_tensor(position_ids):
+        return PositionCheck(Problem.POSITIONS_DTYPE,
+                             dtype_code(position_ids.dtype) if torch.is_tensor(position_ids) else -1)
+    dims = list(position_ids.shape) + [0, 0]
+    shape = dict(ndim=position_ids.dim(), dim0=dims[0], dim1=dims[1])
+    if position_ids.dim() != 2 or position_ids.shape[1] != sl_l or position_ids.shape[0] not in (1, bs):
+        return PositionCheck(Problem.POSITIONS_SHAPE, **shape)
+    if position_ids.numel() and int(position_ids.min()) < 0:
+        return PositionCheck(Problem.NEGATIVE_POSITIONS, minimum=int(position_ids.min()), **shape)
+    return PositionCheck(Problem.OK, **shape)
+
+
+@dataclass(frozen=True)
+class ForwardFacts:
+    """What one SP rank's attention sees at the first layer of a forward."""
+
+    seq_len: int          # sl_l: this rank's shard length
+    batch: int            # bs
+    dtype: int            # dtype code of the query
+    heads: int            # query heads at the call
+    positions: PositionCheck
+
+    @classmethod
+    def of(cls, query: torch.Tensor, positions: PositionCheck, expected_heads: int) -> "ForwardFacts":
+        """Facts of q ``[bs hc sl_l hs]``; a head count other than ``expected_heads`` is the problem."""
+        bs, hc, sl_l, _ = query.shape
+        if hc != expected_heads:
+            positions = dataclasses.replace(positions, problem=Problem.HEADS)
+        return cls(sl_l, bs, dtype_code(query.dtype), hc, positions)
+
+    def to_tensor(self, device) -> torch.Tensor:
+        """The record as one int64 row (``[width]``), for an all_gather."""
+        flat = [self.seq_len, self.batch, self.dtype, self.heads, *dataclasses.astuple(self.positions)]
+        return torch.tensor(flat, dtype=torch.long, device=device)
+
+    @classmethod
+    def from_tensor(cls, row: torch.Tensor) -> "ForwardFacts":
+        """Inverse of :meth:`to_tensor`."""
+        values = [int(v) for v in row.tolist()]
+        return cls(*values[:4], PositionCheck(*values[4:]))
+
+    @classmethod
+    def width(cls) -> int:
+        return 4 + len(dataclasses.fields(PositionCheck))
+
+
+def _problem_message(facts: ForwardFacts, expected_heads: int) -> str:
+    pos, bs, sl_l = facts.positions, facts.batch, facts.seq_len
+    if pos.problem == Problem.HEADS:
+        return (f"query has {facts.heads} attention heads but the model config declares {expected_heads}; expected "
+                "the layout SP was registered with; fix: register the SP attention on the model that runs it")
+    if pos.problem == Problem.NO_POSITIONS:
+        return ("Ulysses SP needs position_ids in the model call (each rank's positions within the whole "
+                "sequence); got none; fix: pass the batch from UlyssesSPDataLoaderAdapter, or position_ids = "
+                "arange(sl) sharded like input_ids")
+    if pos.problem == Problem.POSITIONS_DTYPE:
+        return (f"position_ids must be an integer tensor, got {dtype_name(pos.dtype)}; fix: build them with "
+                "dtype=torch.long")
+    if pos.problem == Problem.POSITIONS_SHAPE:
+        shape = [pos.dim0, pos.dim1][:pos.ndim] + (["..."] if pos.ndim > 2 else [])
+        return (f"position_ids must have shape [bs, sl_l] = [{bs}, {sl_l}] or [1, {sl_l}], got {shape}; fix: "
+                "shard position_ids on dim 1 exactly like input_ids")
+    return (f"position_ids must be >= 0, got {pos.minimum}; fix: positions count from 0 within each packed "
+            "document")
+
+
+def check_forward(every: list[ForwardFacts], expected_heads: int, fixed_length: int | None) -> None:
+    """Raise the same ValueError on every SP rank when any rank's forward input is wrong."""
+    message = first_error([(r, _problem_message(f, expected_heads)) for r, f in enumerate(every)
+                           if not f.positions.ok])
+    if message is None:
+        for what, values in (("batch size", [f.batch for f in every]),
+                             ("attention dtype", [dtype_name(f.dtype) for f in every])):
+            if len(set(values)) > 1:
+                message = (f"SP ranks disagree on the {what}: per SP rank {values}; expected every rank of "
+                           "the group to run its shard of the same micro-batch; fix: feed the model through "
+                           "UlyssesSPDataLoaderAdapter (or shard one batch on dim 1 across the group)")
+                break
+    total = sum(f.seq_len for f in every)
+    if message is None and fixed_length is not None and total != fixed_length:
+        message = (f"seq_length_is_variable is false with seq_length={fixed_length}, but this forward's "
+                   f"shards add up to {total} tokens {[f.seq_len for f in every]}; fix: pad or pack every "
+                   "sample to seq_length, or set seq_length_is_variable to true")
+    if message is not None:
+        raise ValueError(message)

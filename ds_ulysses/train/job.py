@@ -1,0 +1,108 @@
+"""The training job behind ``examples/train.py``: a causal LM on long sequences with Ulysses SP, set up by
+the DeepSpeed config's ``"ulysses"`` section, with checkpoints, resume and the held-out evaluation.
+
+With no --data it trains on the Python standard library's source (bytes, packed into --seq-len
+documents) with a tiny Llama; it prints a line per step, saves a checkpoint every --save-every steps
+under OUT/checkpoints (--resume continues from the latest complete one), and ends with the held-out
+loss by token position in OUT/eval/ (CSV and PNG).
+"""
+
+import argparse
+
+import deepspeed
+import torch.distributed as dist
+
+from .. import engine
+from ..config import parse_ds_config
+from ..distributed.mesh import mesh_shape
+from . import checkpoint as ckpt
+from .corpus import PackedSamples, file_texts, load_tokenizer, stdlib_texts
+from .evaluate import buckets_arg, evaluate_positions
+from .progress import ProgressLine
+from .recipe import build_model, data_position, samples_needed, set_cpu_threads
+
+__all__ = ["parse_args", "train"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--deepspeed_config", required=True, help="DeepSpeed config with a \"ulysses\" section")
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    p.add_argument("--seq-len", type=int, default=16384, help="tokens per sample (the whole sequence, all SP ranks)")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps to train up to")
+    p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps and at the end (0: never)")
+    p.add_argument("--out", default="runs/train", help="run directory: checkpoints/ and eval/")
+    p.add_argument("--resume", nargs="?", const="", metavar="CHECKPOINT",
+                   help="continue from CHECKPOINT, or without a value from OUT/checkpoints' latest complete one")
+    p.add_argument("--data", nargs="+", metavar="FILE", help="text or JSONL (\"text\" field) files; default: stdlib")
+    p.add_argument("--tokenizer", help="local HF tokenizer directory; default: bytes")
+    p.add_argument("--model", help="local HF model directory; default: a tiny Llama built from config")
+    p.add_argument("--eval-samples", type=int, help="held-out sequences for loss by position (default: world size)")
+    p.add_argument("--buckets", type=buckets_arg, default="log2", help="evaluation buckets: log2, or N positions each")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def train(argv=None) -> dict:
+    args = parse_args(argv)
+    set_cpu_threads()
+    deepspeed.init_distributed()
+    ds_config, section = parse_ds_config(args.deepspeed_config)
+    if section is None:
+        raise ValueError(f"{args.deepspeed_config}: expected a \"ulysses\" section, got none; fix: add "
+                         "\"ulysses\": {\"sequence_parallel_size\": 1} (or more) next to zero_optimization")
+    world = dist.get_world_size()
+    dp, sp = mesh_shape(world, section.sp, section.mesh_param)
+    mbs, gas = ds_config.get("train_micro_batch_size_per_gpu", 1), ds_config.get("gradient_accumulation_steps", 1)
+    tokenizer = load_tokenizer(args.tokenizer)
+    model = build_model(args.model, tokenizer, section.attn_implementation, args.seed)
+    model_hash = ckpt.model_fingerprint(model.config)
+
+    n_eval = world if args.eval_samples is None else args.eval_samples
+    start, position, resume_dir = 0, data_position(0, gas, sp, world, mbs, n_eval), None
+    if args.resume is not None:
+        resume_dir = ckpt.find_checkpoint(args.resume or f"{args.out}/checkpoints")
+        manifest = ckpt.verify_checkpoint(resume_dir)
+        ckpt.check_compatible(manifest, resume_dir, dp=dp, sp=sp, world_size=world, model_hash=model_hash,
+                              seq_len=args.seq_len, tokenizer=tokenizer.source,
+                              data=data_position(manifest.step, gas, sp, world, mbs, n_eval))
+        start, position = manifest.step, manifest.data
+
+    n_train = samples_needed(max(args.steps, start), gas, sp, world, mbs)
+    texts = (lambda: file_texts(args.data)) if args.data else stdlib_texts
+    corpus = PackedSamples(texts, tokenizer, args.seq_len, n_eval + n_train)
+    train_set = corpus.subset(position["sample_offset"])
+    trainer, _, loader, _ = engine.initialize(model=model, config=args.deepspeed_config, training_data=train_set)
+    if resume_dir is not None:
+        ckpt.load_checkpoint(trainer, resume_dir, manifest)
+        for _ in range(position["skip_micro_batches"]):
+            next(loader)
+
+    progress, losses, saved = ProgressLine(args.steps), {}, None
+    for step in range(start, args.steps):
+        progress.start()
+        total, tokens = 0.0, 0
+        for _ in range(gas):
+            batch = next(loader)
+            loss = trainer(**batch).loss
+            trainer.backward(loss)
+            trainer.step()
+            total, tokens = total + loss.item() / gas, tokens + batch["input_ids"].numel()
+        losses[step + 1] = progress.end(step + 1, total, tokens).loss
+        if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+            saved = ckpt.save_checkpoint(
+                trainer, f"{args.out}/checkpoints", step + 1, model_config=model.config, seq_len=args.seq_len,
+                tokenizer=tokenizer.source, data=data_position(step + 1, gas, sp, world, mbs, n_eval),
+                hf_tokenizer=getattr(tokenizer, "tokenizer", None))
+
+    result = None
+    if n_eval:
+        result = evaluate_positions(trainer.module, corpus.subset(0, n_eval), trainer.mpu, args.buckets,
+                                    pad_token_id=tokenizer.pad_id)
+        if dist.get_rank() == 0:
+            csv = result.write_csv(f"{args.out}/eval/loss_by_position.csv")
+            png = result.plot(f"{args.out}/eval/loss_by_position.png",
+                              f"held-out loss by position ({n_eval} x {args.seq_len} tokens, sp={sp})")
+            print(f"eval: mean loss {result.overall:.4f} over {int(result.counts.sum())} held-out tokens "
+                  f"-> {csv}, {png}" + (f"; checkpoint {saved}" if saved else ""), flush=True)
+    return {"losses": losses, "engine": trainer, "checkpoint": saved, "eval": result, "eval_samples": n_eval}

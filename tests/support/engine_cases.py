@@ -1,0 +1,76 @@
+"""Rank functions for the engine-hook tests: DeepSpeed engines vs the unsharded model."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from tests.support.models import rel_err, tiny_config, tiny_model
+from tests.support.sp_cases import make_sample, reference_loss
+
+
+def ds_config(stage: int, offload: bool = False, sp: int = 2, extra_section: dict | None = None, **zero) -> dict:
+    zero_cfg = {"stage": stage, **zero}
+    if offload:
+        zero_cfg["offload_param"] = {"device": "cpu"}
+        zero_cfg["offload_optimizer"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": not offload}},
+        "zero_optimization": zero_cfg,
+        "ulysses": {"sequence_parallel_size": sp, "tiled_loss": {"enabled": False}, **(extra_section or {})},
+    }
+
+
+def dataset(n: int, length: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        s = make_sample(500 + i, length)
+        out.append({"input_ids": s["input_ids"][0], "labels": s["labels"][0]})
+    return out
+
+
+def engine_vs_reference(rank: int, world_size: int, config: dict, via_install: bool = False,
+                        family: str = "llama", length: int = 24, mesh_param=None) -> dict:
+    """First step: per-rank loss vs its SP group's unsharded sample; full grads vs the DP mean."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    import ds_ulysses
+
+    cfg = tiny_config(family, heads=4, kv_heads=2)
+    model = tiny_model(cfg)
+    ref = copy.deepcopy(model)
+    data = dataset(2 * world_size, length)
+    if via_install:
+        ds_ulysses.install()
+        ds_ulysses.install()  # idempotent
+        engine, _, loader, _ = deepspeed.initialize(model=model, config=config, training_data=data)
+    else:
+        engine, _, loader, _ = ds_ulysses.initialize(model=model, config=config, training_data=data,
+                                                     mesh_param=mesh_param)
+    mpu = engine.mpu
+    sp, dp = mpu.get_sequence_parallel_world_size(), mpu.get_data_parallel_world_size()
+    batch = next(iter(loader))
+    loss = engine(**batch).loss
+    engine.backward(loss)
+    # micro-batch 0 of SP group g is the sample drawn by that group's first rank: index g * sp
+    groups = [g * sp for g in range(dp)]
+    mine = groups[mpu.get_data_parallel_rank()]
+    ref_losses = []
+    for idx in groups:
+        sample = {k: v[None] for k, v in data[idx].items()}
+        sample["position_ids"] = torch.arange(length)[None]
+        l = reference_loss(ref, sample) / len(groups)
+        l.backward()
+        ref_losses.append((idx, l.item() * len(groups)))
+    loss_err = rel_err(loss.detach(), torch.tensor(dict(ref_losses)[mine]))
+    floor = 1e-5 * torch.stack([p.grad.norm() for p in ref.parameters()]).norm().item()
+    grad_err = max(rel_err(safe_get_full_grad(p).float(), q.grad, floor)
+                   for p, q in zip(engine.module.parameters(), ref.parameters()))
+    engine.step()
+    if via_install:
+        ds_ulysses.uninstall()
+    return {"loss": loss_err, "grad": grad_err, "sp": sp, "dp": dp}

@@ -1,0 +1,66 @@
+"""The (dp, sp) mesh: the one dp * sp == world check, mesh_param, and the rank grid's groups."""
+
+import pytest
+import torch.distributed as dist
+
+from ds_ulysses import Mesh, build_mesh
+from ds_ulysses.config import UlyssesConfig
+from ds_ulysses.distributed.mesh import check_mesh_param, mesh_shape
+from tests.support.distributed import run_distributed
+
+
+def test_dp_is_inferred_from_the_world_size():
+    assert mesh_shape(16, 4) == (4, 4)
+    assert mesh_shape(4) == (4, 1)
+    section = UlyssesConfig.from_dict({"mesh_param": [3, 2]})
+    assert mesh_shape(6, section.sp, section.mesh_param) == (3, 2)
+
+
+@pytest.mark.parametrize("sp,mesh_param,world,numbers", [
+    (4, None, 6, ["sp=4", "world_size=6", "6/4 = 1.5", "[1, 2, 3, 6]"]),
+    (None, [2, 4], 6, ["dp=2", "sp=4", "world_size=6"]),
+    (None, [3, 2], 8, ["dp=3", "sp=2", "world_size=8", "[4, 2]"]),
+    (4, [2, 2], 4, ["sequence_parallel_size=4", "[2, 2]"]),
+])
+def test_a_world_size_the_mesh_cannot_tile_is_refused(sp, mesh_param, world, numbers):
+    with pytest.raises(ValueError) as info:
+        mesh_shape(world, sp, mesh_param)
+    assert "expected" in str(info.value) and "fix:" in str(info.value)
+    for number in numbers:
+        assert number in str(info.value)
+
+
+@pytest.mark.parametrize("world", [0, -2, 2.0, True, "8"])
+def test_a_non_positive_int_world_size_is_refused(world):
+    with pytest.raises(ValueError, match="world_size to be a positive integer"):
+        mesh_shape(world, 1)
+
+
+def test_sp_not_dividing_the_world_size_is_refused_by_build_mesh():
+    with pytest.raises(ValueError, match="expected sp to divide world_size, got sp=3 and world_size=1"):
+        build_mesh(3)
+
+
+@pytest.mark.parametrize("value", [[2], "22", [0, 2], [True, 1], (2, 2.0), None])
+def test_bad_mesh_param_is_refused(value):
+    with pytest.raises(ValueError, match=r"mesh_param: expected \[dp, sp\], two integers >= 1"):
+        check_mesh_param(value)
+    if value is not None:
+        with pytest.raises(ValueError, match=r"mesh_param: expected \[dp, sp\]"):
+            build_mesh(mesh_param=value)
+
+
+def _groups(rank, world_size):
+    mesh = Mesh(2, 2)
+    return {"sp": dist.get_process_group_ranks(mesh.sp_group), "dp": dist.get_process_group_ranks(mesh.dp_group),
+            "ranks": (mesh.dp_rank, mesh.sp_rank), "mpu": (mesh.get_data_parallel_world_size(),
+                                                           mesh.get_sequence_parallel_world_size(),
+                                                           mesh.get_sequence_data_parallel_world_size())}
+
+
+def test_sp_groups_are_contiguous_rows_and_dp_groups_columns_of_the_rank_grid():
+    results = run_distributed(_groups, 4)
+    for rank, res in enumerate(results):
+        row, col = divmod(rank, 2)
+        assert res["sp"] == [2 * row, 2 * row + 1] and res["dp"] == [col, col + 2]
+        assert res["ranks"] == (row, col) and res["mpu"] == (2, 2, 4)

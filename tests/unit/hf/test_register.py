@@ -1,0 +1,213 @@
+"""Registering the SP attention with Transformers: per model or by name, refusals, and the undo."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_ulysses import UlyssesSPAttentionHF, enable_sp_loss, unregister_from_transformers
+from tests.support.distributed import run_distributed
+from tests.support.models import VOCAB, rel_err, tiny_config, tiny_model
+from tests.support.sp_cases import make_sample, reference_loss
+
+
+def _isolation(rank, world_size):
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    a, b = tiny_model(cfg), tiny_model(cfg)  # built from the same config object
+    a.config = b.config = cfg
+    for m in list(a.modules()) + list(b.modules()):
+        if "config" in m.__dict__:
+            m.config = cfg
+    x = make_sample(0, 16)
+    before = b(input_ids=x["input_ids"]).logits
+    UlyssesSPAttentionHF.register_with_transformers(a, "sdpa", world_size, 1)
+    after = b(input_ids=x["input_ids"]).logits
+    return {"same": torch.equal(before, after), "b_impl": b.config._attn_implementation,
+            "a_impl": a.config._attn_implementation}
+
+
+def test_registration_touches_only_that_model():
+    for res in run_distributed(_isolation, 2):
+        assert res["same"] and res["b_impl"] == "sdpa" and res["a_impl"].startswith("ulysses")
+
+
+def _global_registration(rank, world_size, config_dir):
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from tests.support.sp_cases import reference_loss
+
+    mpu = UlyssesSPAttentionHF.register_with_transformers(config_dir, "sdpa", world_size, 1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(config_dir, attn_implementation="sdpa")
+    replaced = ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa_attention_forward
+    enable_sp_loss(model, mpu.get_sequence_parallel_group())
+    sample = make_sample(3, 16)
+    sl_l = 16 // world_size
+    shard = slice(rank * sl_l, (rank + 1) * sl_l)
+    shift = torch.nn.functional.pad(sample["labels"][:, 1:], (0, 1), value=-100)
+    loss = model(input_ids=sample["input_ids"][:, shard], position_ids=sample["position_ids"][:, shard],
+                 shift_labels=shift[:, shard]).loss
+    unregister_from_transformers()
+    restored = ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+    plain = AutoModelForCausalLM.from_pretrained(config_dir, attn_implementation="sdpa")
+    ref = reference_loss(plain, sample)
+    return {"replaced": replaced, "restored": restored, "err": rel_err(loss.detach(), ref.detach())}
+
+
+def test_name_path_registration_is_global_and_reversible(tmp_path):
+    tiny_model(tiny_config("llama", heads=4)).save_pretrained(tmp_path)
+    for res in run_distributed(_global_registration, 2, str(tmp_path)):
+        assert res["replaced"] and res["restored"] and res["err"] <= 1e-5, res
+
+
+def test_eager_is_refused_with_reason():
+    model = tiny_model(tiny_config("llama"))
+    with pytest.raises(ValueError, match="eager attention needs a full S x S attention mask.*use 'sdpa'"):
+        UlyssesSPAttentionHF.register_with_transformers(model, "eager", 2, 1)
+
+
+def test_unknown_core_is_refused():
+    with pytest.raises(ValueError, match="unknown core attention 'xformers'"):
+        UlyssesSPAttentionHF.register_with_transformers(tiny_model(tiny_config("llama")), "xformers", 2, 1)
+
+
+def test_sp_one_returns_none():
+    assert UlyssesSPAttentionHF.register_with_transformers(tiny_model(tiny_config("llama")), "sdpa", 1, 1) is None
+
+
+def _llava(seed: int = 0):
+    from transformers import AutoModelForImageTextToText, CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                              image_size=16, patch_size=8, projection_dim=32)
+    text = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=VOCAB - 1,
+                         vision_feature_layer=-1)
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").float()
+
+
+def _vision_features(model, pixels):
+    out = model.get_image_features(pixel_values=pixels)
+    features = out.pooler_output if getattr(out, "pooler_output", None) is not None else out.last_hidden_state
+    return torch.cat([f.flatten() for f in features]) if isinstance(features, (list, tuple)) else features
+
+
+def _count_collectives(fn):
+    counts = {"n": 0}
+    saved = {name: getattr(dist, name) for name in ("all_to_all_single", "all_gather", "all_reduce")}
+
+    def counted(original):
+        def call(*args, **kwargs):
+            counts["n"] += 1
+            return original(*args, **kwargs)
+        return call
+    for name, original in saved.items():
+        setattr(dist, name, counted(original))
+    try:
+        result = fn()
+    finally:
+        for name, original in saved.items():
+            setattr(dist, name, original)
+    return result, counts["n"]
+
+
+def _multimodal_per_model(rank, world_size):
+    model = _llava()
+    ref = copy.deepcopy(model)
+    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    before = _vision_features(model, pixels)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world_size, 1)
+    after, calls = _count_collectives(lambda: _vision_features(model, pixels))
+    enable_sp_loss(model, mpu.get_sequence_parallel_group())
+    sample = make_sample(3, 16)
+    sample["input_ids"] = sample["input_ids"].clamp(max=VOCAB - 2)  # no image tokens in a text-only sample
+    sample["labels"] = sample["input_ids"].clone()
+    sl_l = 16 // world_size
+    shard = slice(rank * sl_l, (rank + 1) * sl_l)
+    shift = torch.nn.functional.pad(sample["labels"][:, 1:], (0, 1), value=-100)
+    loss = model(input_ids=sample["input_ids"][:, shard], position_ids=sample["position_ids"][:, shard],
+                 shift_labels=shift[:, shard]).loss
+    return {"vision_impl": model.config.vision_config._attn_implementation,
+            "text_impl": model.config.text_config._attn_implementation,
+            "vision_same": bool(torch.equal(before, after)), "vision_collectives": calls,
+            "loss_err": rel_err(loss.detach(), reference_loss(ref, sample).detach())}
+
+
+def test_multimodal_model_only_its_text_attention_runs_sp():
+    for res in run_distributed(_multimodal_per_model, 2):
+        assert res["vision_impl"] == "sdpa" and res["text_impl"].startswith("ulysses"), res
+        assert res["vision_same"] and res["vision_collectives"] == 0, res
+        assert res["loss_err"] <= 1e-5, res
+
+
+def _multimodal_by_name(rank, world_size, path):
+    from transformers import AutoModelForImageTextToText
+
+    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    before = _vision_features(AutoModelForImageTextToText.from_pretrained(path, attn_implementation="sdpa"), pixels)
+    UlyssesSPAttentionHF.register_with_transformers(path, "sdpa", world_size, 1)
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(path, attn_implementation="sdpa")
+        after, calls = _count_collectives(lambda: _vision_features(model, pixels))
+    finally:
+        unregister_from_transformers()
+    return {"vision_same": bool(torch.equal(before, after)), "vision_collectives": calls}
+
+
+def test_global_registration_leaves_vision_attention_alone(tmp_path):
+    """DeepSpeed #7834: overriding the global sdpa entry also hit the vision tower."""
+    _llava().save_pretrained(tmp_path)
+    for res in run_distributed(_multimodal_by_name, 2, str(tmp_path)):
+        assert res["vision_same"] and res["vision_collectives"] == 0, res
+
+
+def _flash_window(rank, world_size):
+    """Transformers' own flash_attention_forward under SP, with the kernel call replaced by an exact
+    stand-in that records what reached it."""
+    import transformers.integrations.flash_attention as fa
+
+    seen = []
+
+    def kernel(query, key, value, attention_mask, query_length, is_causal, dropout=0.0, softmax_scale=None,
+               sliding_window=None, attn_implementation=None, position_ids=None, **kwargs):
+        seen.append((attn_implementation, sliding_window))
+        # [bs sl hc hs]; causal, per document (from the global positions), within the window
+        bs, sl, hq, _ = query.shape
+        rep = hq // key.shape[2]
+        k, v = (x.repeat_interleave(rep, 2).transpose(1, 2) for x in (key, value))
+        starts = torch.ones_like(position_ids, dtype=torch.bool)
+        starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+        doc = starts.cumsum(1)
+        i = torch.arange(sl)
+        mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < sliding_window)
+        mask = mask[None] & (doc[:, :, None] == doc[:, None, :])
+        out = torch.nn.functional.scaled_dot_product_attention(query.transpose(1, 2), k, v, attn_mask=mask[:, None],
+                                                               scale=softmax_scale)
+        return out.transpose(1, 2)
+
+    fa._flash_attention_forward = kernel
+    cfg = tiny_config("mistral", heads=4, kv_heads=2, sliding_window=8)
+    model = tiny_model(cfg)
+    ref = copy.deepcopy(model)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "flash_attention_2", world_size, 1)
+    enable_sp_loss(model, mpu.get_sequence_parallel_group())
+    sample = make_sample(5, 40, docs=[30, 10])
+    sl_l = 40 // world_size
+    shard = slice(rank * sl_l, (rank + 1) * sl_l)
+    shift = torch.nn.functional.pad(sample["labels"][:, 1:], (0, 1), value=-100)
+    loss = model(input_ids=sample["input_ids"][:, shard], position_ids=sample["position_ids"][:, shard],
+                 shift_labels=shift[:, shard]).loss
+    return {"seen": sorted(set(seen)), "name_after": model.config._attn_implementation,
+            "loss_err": rel_err(loss.detach(), reference_loss(ref, sample).detach())}
+
+
+def test_flash_attention_2_gets_the_window_and_its_own_kernel_name():
+    for res in run_distributed(_flash_window, 2):
+        assert res["seen"] == [("flash_attention_2", 8)], res
+        assert res["name_after"].startswith("ulysses"), res
+        assert res["loss_err"] <= 1e-5, res

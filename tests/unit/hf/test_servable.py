@@ -1,0 +1,63 @@
+"""Models SP would compute silently wrong are refused by name, before any collective."""
+
+import types
+
+import pytest
+import torch
+
+from ds_ulysses import UlyssesSPAttentionHF
+from ds_ulysses.hf.servable import check_model_servable
+from tests.support.models import hf_config, tiny_config, tiny_model
+
+
+UNSERVABLE = [
+    ("qwen3_next", dict(layer_types=["linear_attention", "full_attention"]), r"layer_types has \['linear_attention'\]"),
+    ("lfm2", dict(layer_types=["conv", "full_attention"]), r"layer_types has \['conv'\] at layers \[0\]"),
+    ("jamba", dict(attn_layer_period=2, attn_layer_offset=1), "linear_attention"),
+    ("minimax", dict(layer_types=["linear_attention", "full_attention"]), "linear_attention"),
+    ("recurrent_gemma", dict(block_types=["recurrent", "attention"]), "linear_attention"),
+    ("mamba", {}, "'mamba' mixes tokens with a recurrence/state-space scan"),
+    ("rwkv", {}, "'rwkv' mixes tokens with a recurrence"),
+    ("llama4_text", dict(attention_chunk_size=8, layer_types=["full_attention"] * 2),
+     r"chunked attention \(attention_chunk_size=8\) is not honoured"),
+]
+
+
+@pytest.mark.parametrize("model_type,extra,phrase", UNSERVABLE, ids=[c[0] for c in UNSERVABLE])
+def test_models_that_mix_tokens_outside_attention_are_refused(model_type, extra, phrase):
+    with pytest.raises(ValueError, match="model not servable by Ulysses SP: .*" + phrase):
+        check_model_servable(hf_config(model_type, **extra))
+
+
+def test_layer_type_chunked_attention_is_refused():
+    with pytest.raises(ValueError, match=r"layer_types has \['chunked_attention'\]"):
+        check_model_servable(hf_config("llama4_text", layer_types=["chunked_attention", "full_attention"]))
+
+
+def test_config_without_attention_heads_is_refused():
+    with pytest.raises(ValueError, match="has no attention head count"):
+        check_model_servable(types.SimpleNamespace(model_type="custom", num_attention_heads=None))
+
+
+def test_registration_refuses_a_hybrid_model_object_before_building_groups():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(hf_config(
+        "qwen3_next", layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_value_heads=2,
+        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=2))
+    # sp 2 in a 1-process world: reaching the mesh would raise a different error
+    with pytest.raises(ValueError, match=r"model not servable by Ulysses SP: layer_types has \['linear_attention'\]"):
+        UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1)
+
+
+def test_a_token_mixing_module_is_found_even_when_the_config_looks_plain():
+    model = tiny_model(tiny_config("llama"))
+    model.model.layers[1].mlp.shift = torch.nn.Conv1d(16, 16, 3)  # a causal conv mixing tokens
+    with pytest.raises(ValueError, match=r"'layers.1.mlp.shift' \(Conv1d\) mixes tokens outside attention"):
+        UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1)
+
+
+def test_name_path_registration_refuses_a_hybrid_checkpoint(tmp_path):
+    hf_config("jamba", attn_layer_period=2, attn_layer_offset=1).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="model not servable by Ulysses SP"):
+        UlyssesSPAttentionHF.register_with_transformers(str(tmp_path), "sdpa", 2, 1)
