@@ -126,7 +126,7 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int, warmup: int, out: Pat
 
 
 def run_layer_suite(seq_lens, sps, iters: int, out: Path, timeout: float = 1800.0, log=print) -> list[dict]:
-    """The attention layer alone (:mod:`ds_ulysses.bench_layer`): both wrappers interleaved per iteration."""
+    """The attention layer alone (:mod:`benchmarks.layer`): both wrappers interleaved per iteration."""
     records = []
     out.parent.mkdir(parents=True, exist_ok=True)
     for seq_len in seq_lens:

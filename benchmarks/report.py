@@ -178,7 +178,7 @@ def planner_rows(summary: dict, sections: dict) -> list[list]:
 
 
 def format_layer(records: list[dict]) -> str:
-    """:mod:`ds_ulysses.bench_layer` results: one attention layer, forward + backward, medians."""
+    """:mod:`benchmarks.layer` results: one attention layer, forward + backward, medians."""
     rows = []
     for rec in (r for r in records if r.get("kind") == "layer"):
         res = rec["result"]

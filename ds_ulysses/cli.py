@@ -91,13 +91,11 @@ def _benchmarks():
 
 
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.set_defaults(bench_arguments=True)
-    parser.add_argument("bench_args", nargs=argparse.REMAINDER,
-                        help="arguments of the benchmark harness (see `ds-ulysses bench --help`)")
+    """The harness parses its own arguments (:func:`main` hands them over before parsing)."""
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    return _benchmarks().main(args.bench_args)
+    return _benchmarks().main([])
 
 
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -165,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ds-ulysses`` console script; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # the harness owns every argument after the subcommand
+        return _benchmarks().main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.run(args)
 

@@ -283,5 +283,5 @@ def load_checkpoint(engine, directory, manifest: Manifest) -> None:
         del ckpt_engine.load
     if path is None:
         raise CheckpointError(f"DeepSpeed found nothing to load in {directory / manifest.tag}; fix: pass a "
-                              "checkpoint written by ds_ulysses.checkpoint.save_checkpoint")
+                              "checkpoint written by ds_ulysses.train.checkpoint.save_checkpoint")
     _set_rng_state(safe_torch_load(directory / "rng" / f"rank_{_rank():05d}.pt"))

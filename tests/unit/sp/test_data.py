@@ -138,7 +138,7 @@ def raw_batches(draw, vocab=VOCAB):
 @settings(max_examples=200, deadline=None)
 @given(raw_batches(), st.integers(1, 8), st.integers(0, VOCAB - 1))
 def test_prepare_sample_pads_shifts_and_continues_positions(batch, sp, pad_id):
-    from ds_ulysses.packed import find_documents
+    from ds_ulysses.sp.packed import find_documents
 
     out = prepare_sample(batch, sp, pad_token_id=pad_id, vocab_size=VOCAB)
     bs, sl = batch["input_ids"].shape
