@@ -11,7 +11,7 @@ Failure handling: every rank checks that all ranks hold the same section and mod
 any SP group exists (a rank with another sp would build other groups and hang the rest);
 ``comm_timeout_seconds`` bounds the SP groups and, when this hook starts torch.distributed, the
 world group DeepSpeed reduces over; and a collective failing inside the engine's forward, backward
-or step is re-raised naming the SP group and the step (:mod:`ds_ulysses.watch`).
+or step is re-raised naming the SP group and the step (:mod:`ds_ulysses.distributed.watch`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
     if mesh.sp > 1:
         register_with_transformers(model, section.attn_implementation, mesh.sp, micro_batch_size,
                                    section.seq_length, section.seq_length_is_variable,
-                                   section.disable_in_eval, mesh=mesh)
+                                   section.disable_in_eval, mesh=mesh, scope="model")
     loss_fn = tiled_causal_lm_loss(section.tiled_loss.shards, mesh.sp_watch) if section.tiled_loss.enabled else None
     enable_sp_loss(model, mesh.sp_group, grad_scale, loss_fn, watch=mesh.sp_watch)
     if section.tiled_mlp.enabled:

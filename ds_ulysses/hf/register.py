@@ -1,47 +1,138 @@
-"""Hooking the SP attention into Transformers, per model or (DeepSpeed-compatible) by name.
+"""Hooking the SP attention into Transformers, with DeepSpeed's ``register_with_transformers`` contract.
 
-Per model (the default when a model object is given): the wrapper is registered in Transformers'
-``AttentionInterface`` and ``AttentionMaskInterface`` under a fresh name that only this model's
-config selects, so other models in the process keep their attention. The model gets its own copy of
-its config first: models built from one config object share it, and the attention name lives there.
+Transformers looks attention up by name at every call: ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``
+(and the mask builder in ``ALL_MASK_ATTENTION_FUNCTIONS``). Registration puts one *dispatcher* under the
+core's own name (sdpa, flash_attention_2, a Hub kernel, ...): it runs the SP wrapper for the attention
+modules SP serves and the original function for every other module. The model keeps the core's name,
+which matters: models pick code paths by comparing ``_attn_implementation`` with a name (Falcon checks
+``== "sdpa"``, flash paths ``startswith("flash")``).
 
-By name or path (DeepSpeed's contract: models created afterwards pick it up): the core
-implementation's entry in Transformers' global tables is replaced. A global entry is hit by every
-model using that core, vision and audio towers included (DeepSpeed #7834), so the SP wrapper serves
-only causal (decoder) attention there and hands any other module to the original.
+Two scopes:
 
-Every change goes through :data:`ds_ulysses.patching.PATCHES`; :func:`unregister_from_transformers`
-(and ``ds_ulysses.uninstall``) undoes all of them. Either way, models SP would compute silently wrong
-(token mixing outside attention, chunked attention) are refused here, before any collective: see
-:func:`ds_ulysses.hf.servable.check_model_servable`.
+- ``"global"`` (DeepSpeed's contract, the default of the drop-in call): every causal attention module
+  that runs the core goes through SP, including models built after the call. Vision and audio towers
+  (non-causal modules) keep the original (DeepSpeed #7834). The call reads ``.config`` only, so a
+  model, a PEFT wrapper, any config holder or a name/path all work.
+- ``"model"`` (what :func:`ds_ulysses.initialize` uses): only the given model's text decoder runs SP.
+  The model gets a private copy of its config (models built from one config object share it), so its
+  mask builder can be told apart from other models' too.
+
+Either way, the decoder of a model SP serves gets a pre-forward hook that judges the call's
+position_ids before Transformers would invent local ones (silently wrong under SP); under the global
+scope the hook is added to every model built while the registration is active. Every change goes
+through :data:`ds_ulysses.patching.PATCHES`; :func:`unregister_from_transformers` (and
+``ds_ulysses.uninstall``) undoes all of them. Models SP would compute silently wrong are refused here,
+before any collective (:func:`ds_ulysses.hf.servable.check_model_servable`).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import itertools
+import weakref
 
 import torch
 
 from ..distributed.mesh import Mesh, build_mesh
 from ..patching import PATCHES
-from ..sp.attention import UlyssesAttention, check_core_attention
+from ..sp.attention import HUB_KERNEL, UlyssesAttention, check_core_attention
 from ..sp.forward_check import check_positions
+from .model_facts import text_config
 from .servable import check_model_servable, decoder_of, sliding_layers
 
-__all__ = ["UlyssesSPAttentionHF", "register_with_transformers", "unregister_from_transformers"]
+__all__ = ["UlyssesSPAttentionHF", "register_with_transformers", "unregister_from_transformers", "SCOPES"]
 
 _TAG = "attention"
-_names = itertools.count(1)
+SCOPES = ("global", "model")
+
+
+class UlyssesSPAttentionHF(UlyssesAttention):
+    """Drop-in for DeepSpeed's class of the same name: the SP attention plus its registration with
+    Transformers (:meth:`register_with_transformers`)."""
+
+    @classmethod
+    def register_with_transformers(cls, model_name_or_path, core_attn_implementation, sequence_parallel_size,
+                                   micro_batch_size, seq_length=None, seq_length_is_variable=True,
+                                   disable_in_eval=False, *, mesh=None, scope="global"):
+        """See :func:`register_with_transformers` (returns the ``mpu``)."""
+        return register_with_transformers(model_name_or_path, core_attn_implementation, sequence_parallel_size,
+                                          micro_batch_size, seq_length, seq_length_is_variable, disable_in_eval,
+                                          mesh=mesh, scope=scope)
+
+
+class _Dispatch:
+    """What runs under one core's name once SP is registered for it."""
+
+    def __init__(self, core: str, attention, mask):
+        self.core, self.attention, self.mask = core, attention, mask  # the originals
+        self.global_attn: UlyssesSPAttentionHF | None = None
+        self.by_module: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> wrapper
+        self.sp_configs: dict[int, tuple] = {}  # id(text config) -> (wrapper, model): their masks are not built
+
+    def attention_for(self, module):
+        uattn = self.by_module.get(module)
+        if uattn is None and getattr(module, "is_causal", True):
+            uattn = self.global_attn
+        return uattn
+
+    def run_attention(self, module, query, key, value, attention_mask, *args, **kwargs):
+        uattn = self.attention_for(module)
+        if uattn is None:  # not SP's (a vision tower, another model): the original core
+            return self.attention(module, query, key, value, attention_mask, *args, **kwargs)
+        return uattn(module, query, key, value, attention_mask, *args, **kwargs)
+
+    def build_mask(self, *args, **kwargs):
+        # under SP the mask is rebuilt from the global position_ids; a local one would be wrong and
+        # O(sl_l^2) memory, so SP models get none
+        entry = self.sp_configs.get(id(kwargs.get("config")))
+        if entry is not None:
+            uattn, model = entry
+            if not (uattn.disable_in_eval and model is not None and not model.training):
+                return None
+        return self.mask(*args, **kwargs)
+
+
+_dispatches: dict[str, _Dispatch] = {}
 
 
 def _tables():
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    return AttentionInterface, AttentionMaskInterface, ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    return ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS
+
+
+def _dispatch(core: str) -> _Dispatch:
+    """The dispatcher under ``core``'s name, installed in Transformers' tables on first use."""
+    if core in _dispatches:
+        return _dispatches[core]
+    attn_table, mask_table = _tables()
+    # a Hub kernel may come without a mask builder of its own: flash kernels take the flash one
+    dispatch = _Dispatch(core, attn_table[core], mask_table.get(core) or mask_table["flash_attention_2"])
+    PATCHES.set_item(attn_table, core, dispatch.run_attention, _TAG)
+    PATCHES.set_item(mask_table, core, dispatch.build_mask, _TAG)
+    _dispatches[core] = dispatch
+    PATCHES.on_undo(lambda: _dispatches.pop(core, None), _TAG)
+    return dispatch
+
+
+def _load_core(name: str) -> None:
+    """Make sure ``name`` is in Transformers' attention table: Hub kernels register on first load."""
+    attn_table, _ = _tables()
+    if isinstance(name, str) and HUB_KERNEL.match(name) and name not in attn_table:
+        from transformers import modeling_flash_attention_utils
+
+        try:
+            modeling_flash_attention_utils.lazy_import_flash_attention(name)
+        except ImportError as err:
+            raise ImportError(
+                f"core_attn_implementation={name!r} is a Hub kernel, which Transformers loads with the `kernels` "
+                f"package; loading it failed ({err}); fix: `pip install kernels` (a version your Transformers "
+                "supports), or use 'flash_attention_2' / 'sdpa'") from err
+    if name not in attn_table:
+        raise ValueError(
+            f"core_attn_implementation={name!r} is not an attention implementation Transformers knows; expected "
+            f"one of {sorted(k for k in attn_table.keys() if not k.startswith('paged'))} or a Hub kernel "
+            "('org/repo[@revision][:function]'); fix: pick one of those")
 
 
 def _own_config(model):
@@ -61,101 +152,174 @@ def _own_config(model):
     return model.config
 
 
-class UlyssesSPAttentionHF(UlyssesAttention):
-    """Drop-in for DeepSpeed's class of the same name: the SP attention plus its registration with
-    Transformers (:meth:`register_with_transformers`)."""
-
-    @classmethod
-    def register_with_transformers(cls, model_name_or_path, core_attn_implementation, sequence_parallel_size,
-                                   micro_batch_size, seq_length=None, seq_length_is_variable=True,
-                                   disable_in_eval=False, mesh=None):
-        """See :func:`register_with_transformers` (returns the ``mpu``)."""
-        return register_with_transformers(model_name_or_path, core_attn_implementation, sequence_parallel_size,
-                                          micro_batch_size, seq_length, seq_length_is_variable,
-                                          disable_in_eval, mesh)
+def _check_matching_core(holder, core: str) -> None:
+    """DeepSpeed's rule: a loaded model must already use the core it is registered with (the
+    dispatcher sits under that name; another name would bypass it)."""
+    config = holder.config
+    current = getattr(config, "_attn_implementation", None)
+    if not isinstance(current, str):
+        current = getattr(text_config(config), "_attn_implementation", None)
+    if isinstance(current, str) and current != core:
+        raise ValueError(
+            f"core_attn_implementation='{core}' does not match model config attn_implementation='{current}'; "
+            f"expected the model to run the core SP wraps; fix: load the model with attn_implementation='{core}' "
+            f"(or call model.set_attn_implementation('{core}')), or register '{current}'")
 
 
 def register_with_transformers(model_name_or_path, core_attn_implementation, sequence_parallel_size,
                                micro_batch_size, seq_length=None, seq_length_is_variable=True,
-                               disable_in_eval=False, mesh: Mesh | None = None):
-    """Make the model (or models created later, for a name/path) run Ulysses SP attention.
+                               disable_in_eval=False, *, mesh: Mesh | None = None, scope: str = "global"):
+    """Make attention run Ulysses SP; returns the ``mpu`` for ``deepspeed.initialize(mpu=...)`` (None when
+    sequence_parallel_size is 1).
 
-    Returns the ``mpu`` for ``deepspeed.initialize(mpu=...)``, or None when sequence_parallel_size
-    is 1. ``mesh`` reuses an existing :class:`~ds_ulysses.distributed.mesh.Mesh` instead of building one.
+    ``model_name_or_path`` is a model, a PEFT wrapper, anything with ``.config``, or a name/path (its
+    config is read). ``scope="global"`` (DeepSpeed's behaviour) serves every causal model that runs
+    the core, including models built later; ``scope="model"`` only the given model (an
+    ``nn.Module``), whose attention is switched to the core. ``mesh`` reuses an existing
+    :class:`~ds_ulysses.distributed.mesh.Mesh`.
     """
     if sequence_parallel_size == 1:
         return None
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}; fix: 'global' (DeepSpeed's behaviour: "
+                         "every model running the core) or 'model' (only the given model)")
     check_core_attention(core_attn_implementation)
     if seq_length is None and not seq_length_is_variable:
         raise ValueError(
             "seq_length_is_variable=False needs seq_length (the fixed global sequence length); "
             "pass seq_length=S or leave seq_length_is_variable=True")
-    is_model = hasattr(model_name_or_path, "config")
-    if is_model:
+    loaded = hasattr(model_name_or_path, "config")
+    module = model_name_or_path if isinstance(model_name_or_path, torch.nn.Module) else None
+    if scope == "model" and module is None:
+        raise ValueError(
+            f"scope='model' needs the model object (an nn.Module) whose attention SP should serve, got "
+            f"{type(model_name_or_path).__name__}; fix: pass the model, or use scope='global'")
+    if loaded:
         config = model_name_or_path.config
     else:
         from transformers import AutoConfig
         config = AutoConfig.from_pretrained(model_name_or_path)
-    check_model_servable(config, model_name_or_path if is_model else None)
+    check_model_servable(config, module)
+    _load_core(core_attn_implementation)
+    if loaded and scope == "global":
+        _check_matching_core(model_name_or_path, core_attn_implementation)
     if mesh is None:
         mesh = build_mesh(sequence_parallel_size)
     elif mesh.sp != sequence_parallel_size:
         raise ValueError(f"mesh has sp={mesh.sp} but sequence_parallel_size={sequence_parallel_size}; make them equal")
-    _, _, attn_table, mask_table = _tables()
-    text = config.get_text_config()
-    core_fn = PATCHES.original_item(attn_table, core_attn_implementation)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    local = None if seq_length is None else seq_length // sequence_parallel_size
-    uattn = UlyssesSPAttentionHF(
-        core_fn, micro_batch_size, text.num_attention_heads, head_dim,
-        getattr(text, "num_key_value_heads", None) or text.num_attention_heads, text.num_hidden_layers,
-        mesh.sp_group, seq_length_is_variable, local, seq_length, disable_in_eval, core_attn_implementation,
-        watch=mesh.sp_watch, sliding_layers=sliding_layers(config))
-
-    if is_model:
-        def attention(module, query, key, value, attention_mask, *args, **kwargs):
-            return uattn(module, query, key, value, attention_mask, *args, **kwargs)
-
-        _register_on_model(model_name_or_path, uattn, attention, disable_in_eval)
+    dispatch = _dispatch(core_attn_implementation)
+    uattn = _wrapper(dispatch.attention, config, core_attn_implementation, mesh, micro_batch_size, seq_length,
+                     seq_length_is_variable, disable_in_eval)
+    if scope == "model":
+        _serve_model(dispatch, module, uattn)
     else:
-        def attention(module, query, key, value, attention_mask, *args, **kwargs):
-            if not getattr(module, "is_causal", True):  # an encoder (vision/audio tower): not ours
-                return core_fn(module, query, key, value, attention_mask, *args, **kwargs)
-            return uattn(module, query, key, value, attention_mask, *args, **kwargs)
-
-        _register_globally(core_attn_implementation, attention)
+        _serve_globally(dispatch, uattn, module)
     return mesh
 
 
-def _register_on_model(model, uattn, attention, disable_in_eval):
-    attn_iface, mask_iface, _, mask_table = _tables()
-    core = uattn.core_attn_implementation
-    original_mask = mask_table[core]
-    name = f"ulysses{next(_names)}_{core}"
+def _wrapper(core_fn, config, core, mesh, micro_batch_size, seq_length, seq_length_is_variable, disable_in_eval):
+    text = text_config(config)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    local = None if seq_length is None else seq_length // mesh.sp
+    return UlyssesSPAttentionHF(
+        core_fn, micro_batch_size, text.num_attention_heads, head_dim,
+        getattr(text, "num_key_value_heads", None) or text.num_attention_heads, text.num_hidden_layers,
+        mesh.sp_group, seq_length_is_variable, local, seq_length, disable_in_eval, core,
+        watch=mesh.sp_watch, sliding_layers=sliding_layers(config))
 
-    def mask(*args, **kwargs):
-        # under SP the mask is rebuilt from global positions; a local one would be wrong and O(sl_l^2)
-        if disable_in_eval and not model.training:
-            return original_mask(*args, **kwargs)
-        return None
 
-    hook = decoder_of(model).register_forward_pre_hook(functools.partial(_check_positions, uattn), with_kwargs=True)
-    PATCHES.on_undo(hook.remove, _TAG, owner=model)
-    PATCHES.set_item(attn_iface._global_mapping, name, attention, _TAG, owner=model)
-    PATCHES.set_item(mask_iface._global_mapping, name, mask, _TAG, owner=model)
-    _own_config(model).get_text_config()._attn_implementation = name
-    model.__dict__["ulysses_attention"] = uattn  # not a submodule: no params, kept out of module walks
-    PATCHES.on_undo(lambda: model.__dict__.pop("ulysses_attention", None), _TAG, owner=model)
+def _serve_model(dispatch: _Dispatch, model, uattn) -> None:
+    """Only ``model``'s text decoder runs SP, under its own config copy switched to the core."""
+    config = _own_config(model)
+    text = text_config(config)
+    text._attn_implementation = dispatch.core
+    decoder = decoder_of(model)
+    for module in decoder.modules():
+        dispatch.by_module[module] = uattn
+    dispatch.sp_configs[id(text)] = (uattn, model)
+    PATCHES.on_undo(functools.partial(_forget, dispatch, list(decoder.modules()), id(text)), _TAG, owner=model)
+    _watch_decoder(decoder, uattn, owner=model)
+
+
+def _forget(dispatch: _Dispatch, modules, config_id: int) -> None:
+    for module in modules:
+        dispatch.by_module.pop(module, None)
+    dispatch.sp_configs.pop(config_id, None)
+
+
+def _serve_globally(dispatch: _Dispatch, uattn, model) -> None:
+    """Every causal module running the core goes through ``uattn``; models built from now on (and
+    ``model``, when one was given) get the position hook and no local mask."""
+    from transformers import PreTrainedModel
+
+    dispatch.global_attn = uattn
+    PATCHES.on_undo(lambda: setattr(dispatch, "global_attn", None), _TAG)
+    if model is not None:
+        _adopt(model)
+    if not PATCHES.has("post_init"):
+        original = PreTrainedModel.post_init
+
+        @functools.wraps(original)
+        def post_init(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            _adopt(self)
+            return out
+
+        PATCHES.set_attr(PreTrainedModel, "post_init", post_init, "post_init")
+
+
+def _adopt(model) -> None:
+    """Under a global registration: a causal decoder running a registered core gets the position hook,
+    and its text config is marked so its mask is not built."""
+    decoder = decoder_of(model)
+    text = text_config(decoder)
+    dispatch = _dispatches.get(getattr(text, "_attn_implementation", None))
+    if dispatch is None or dispatch.global_attn is None or "_ulysses_watched" in decoder.__dict__:
+        return
+    if not any(getattr(m, "is_causal", False) is True for m in decoder.modules()):
+        return  # an encoder or a vision/audio tower: never SP's
+    dispatch.sp_configs[id(text)] = (dispatch.global_attn, decoder)
+    _watch_decoder(decoder, dispatch.global_attn, owner=None)
+
+
+def _watch_decoder(decoder, uattn, owner) -> None:
+    """Hooks around the decoder's forward: its position_ids are judged before Transformers could
+    invent local ones, and a forward that never reached the SP attention is an error, not plain
+    data parallelism (a model that chose its attention path at construction, say)."""
+    before = decoder.register_forward_pre_hook(functools.partial(_check_positions, uattn), with_kwargs=True)
+    after = decoder.register_forward_hook(functools.partial(_check_sp_ran, uattn))
+    decoder.__dict__["_ulysses_watched"] = uattn.watch.step
+    for handle in (before, after):
+        PATCHES.on_undo(handle.remove, _TAG, owner=owner)
+    PATCHES.on_undo(lambda: decoder.__dict__.pop("_ulysses_watched", None), _TAG, owner=owner)
+
+
+def _sp_active(uattn, module) -> bool:
+    return uattn.world_size > 1 and not (uattn.disable_in_eval and not module.training)
+
+
+def _check_sp_ran(uattn, module, args, output):
+    if _sp_active(uattn, module) and uattn.watch.step == module.__dict__.get("_ulysses_watched"):
+        raise RuntimeError(
+            f"{type(module).__name__}.forward ran without the Ulysses SP attention: none of its layers called "
+            f"Transformers' attention function '{uattn.core_attn_implementation}', so every rank attended only to "
+            "its own shard; expected the model to look its attention up by that name at every call; fix: build "
+            f"the model with attn_implementation='{uattn.core_attn_implementation}' before registering SP, or "
+            "train this model without sequence parallelism")
 
 
 def _check_positions(uattn, module, args, kwargs):
     """Decoder pre-hook: judge the call's position_ids before the model uses them.
 
     The verdict reaches every SP rank through the attention's first gather. A mis-shaped tensor is
-    swapped for a local stand-in so this rank gets that far (RoPE would raise here, alone).
+    swapped for a local stand-in so this rank gets that far (RoPE would raise here, alone). The
+    attention's gathered positions are scoped to this forward (gradient-checkpointing recomputes in
+    backward still reuse them).
     """
-    if uattn.world_size == 1 or (uattn.disable_in_eval and not module.training):
+    if not _sp_active(uattn, module):
         return None
+    uattn.new_forward()
+    module.__dict__["_ulysses_watched"] = uattn.watch.step
     positional = len(args) > 2  # forward(input_ids, attention_mask, position_ids, ...)
     given = args[2] if positional else kwargs.get("position_ids")
     ids = args[0] if args else kwargs.get("input_ids")
@@ -172,13 +336,8 @@ def _check_positions(uattn, module, args, kwargs):
     return args, {**kwargs, "position_ids": standin}
 
 
-def _register_globally(core, attention):
-    _, _, attn_table, mask_table = _tables()
-    PATCHES.set_item(attn_table, core, attention, _TAG)
-    PATCHES.set_item(mask_table, core, lambda *args, **kwargs: None, _TAG)
-
-
 def unregister_from_transformers() -> None:
-    """Undo every registration: Transformers' tables get their entries back, and every model
-    registered by object gets its own config, attention and position hook back."""
+    """Undo every registration: Transformers' tables get their entries back, every model registered
+    by object its own config and hooks, and models built later are no longer adopted."""
     PATCHES.undo(_TAG)
+    PATCHES.undo("post_init")

@@ -76,13 +76,25 @@ def check_model_servable(config, model=None) -> None:
 def decoder_of(model):
     """The text decoder (the language model of a multimodal model; the model itself otherwise).
 
-    Only it is scanned for token mixers: vision and audio towers hold convolutions that are theirs.
+    Only it is scanned for token mixers: vision and audio towers hold convolutions that are theirs. A
+    ``get_decoder()`` that returns something without the input embedding (some models return their
+    output head) is not the decoder; the model itself is used then.
     """
     get_decoder = getattr(model, "get_decoder", None)
     try:
-        return (get_decoder() if callable(get_decoder) else None) or model
+        decoder = get_decoder() if callable(get_decoder) else None
     except (AttributeError, NotImplementedError):
         return model
+    if not isinstance(decoder, torch.nn.Module) or decoder is model:
+        return model
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    try:
+        embeddings = get_embeddings() if callable(get_embeddings) else None
+    except (AttributeError, NotImplementedError):
+        embeddings = None
+    if embeddings is not None and all(m is not embeddings for m in decoder.modules()):
+        return model
+    return decoder
 
 
 def _check_modules(model) -> None:

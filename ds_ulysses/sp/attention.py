@@ -3,22 +3,24 @@
 Dimension legend::
 
     bs  batch   sl  global sequence length   sl_l  local sequence length
-    hc  heads   hc_l  heads this rank owns   hs    head size   em  hc * hs
+    hc  heads   hc_l  heads this rank owns   hs    head size
 
 Per attention layer: one all-to-all carries q, k and v together from sequence-sharded to
-head-sharded, the unmodified core attention (sdpa, flash_attention_2/3, flex_attention) runs on the
-whole sequence for this rank's heads, and one all-to-all carries the output back. Global
-position_ids are gathered once per forward (the same local tensor reaches every layer and is
-recognised), so packed documents are attended per document and RoPE-free cores still see them.
-The same gather carries each rank's :class:`~ds_ulysses.sp.forward_check.ForwardFacts` (position_ids
-present, integer, shaped like the shard; batch size and dtype equal across ranks), so a bad input
-raises the same error on every rank before any tensor is exchanged. Nothing here imports
-Transformers: :class:`ds_ulysses.UlyssesSPAttentionHF` adds the registration with it.
+head-sharded, the unmodified core attention (sdpa, flash_attention_2/3, flex_attention, a Hub kernel)
+runs on the whole sequence for this rank's heads, and one all-to-all carries the output back. Which
+heads a rank owns follows from the head counts each call brings (a layer may differ from the config:
+per-layer head sizes or KV head counts), so any model's layout is served. Global position_ids are
+gathered once per forward (the same local tensor reaches every layer and is recognised), so packed
+documents are attended per document and RoPE-free cores still see them. The same gather carries each
+rank's :class:`~ds_ulysses.sp.forward_check.ForwardFacts` (position_ids present, integer, shaped like
+the shard; batch size, dtype and head layout equal across ranks), so a bad input raises the same error
+on every rank before any tensor is exchanged. Nothing here imports Transformers:
+:class:`ds_ulysses.UlyssesSPAttentionHF` adds the registration with it.
 """
 
 from __future__ import annotations
 
-import contextlib
+import re
 
 import torch
 import torch.distributed as dist
@@ -28,31 +30,50 @@ from ..distributed import HeadLayout, HeadsToSeq, SeqToHeads
 from ..distributed.collectives import collective_device
 from ..distributed.watch import GroupWatch
 from .forward_check import ForwardFacts, check_forward, check_positions
-from .heads import plan_heads
+from .heads import HeadPlan, plan_heads
 from .packed import find_documents, packed_attention
 
-__all__ = ["UlyssesAttention", "check_core_attention"]
+__all__ = ["UlyssesAttention", "check_core_attention", "core_kind"]
+
+# org/repo, optionally @revision and :function, as Transformers names Hub attention kernels
+HUB_KERNEL = re.compile(r"^[^/:@]+/[^/:@]+(?:@[^/:]+)?(?::[^/:]+)?$")
 
 
-def check_core_attention(name: str) -> None:
+def core_kind(name) -> str:
+    """How the core attention ``name`` learns about causality, documents and windows under SP:
+    ``"sdpa"`` (documents and windows as separate calls or masks), ``"flex"`` (a BlockMask) or
+    ``"flash"`` (flash_attention_*, Hub kernels: varlen from the global position_ids, the window as an
+    argument). Raises ValueError for cores SP cannot run exactly."""
     if name in ("eager", "paged|eager"):
         raise ValueError(
-            f"attn_implementation '{name}' cannot run under Ulysses SP: eager attention needs a full "
-            "S x S attention mask built for the local shard, which is both wrong after the all-to-all "
-            "and O(S^2) memory; use 'sdpa' (CPU or GPU), 'flash_attention_2'/'flash_attention_3' (GPU) "
-            "or 'flex_attention'")
-    if name not in attn_implementations():
-        raise ValueError(
-            f"unknown core attention '{name}'; expected one of {', '.join(attn_implementations())}")
+            f"attn_implementation '{name}' cannot run under Ulysses SP: eager attention needs a full S x S attention "
+            "mask built for the local shard, which is both wrong after the all-to-all and O(S^2) memory; use "
+            "'sdpa' (CPU or GPU), 'flash_attention_2'/'flash_attention_3' (GPU) or 'flex_attention'")
+    if name == "sdpa":
+        return "sdpa"
+    if name == "flex_attention":
+        return "flex"
+    if isinstance(name, str) and (name.startswith("flash_attention_") or HUB_KERNEL.match(name)):
+        return "flash"
+    raise ValueError(
+        f"unknown core attention {name!r}; expected one of {', '.join(attn_implementations())}, another "
+        "flash_attention_N, or a Hub kernel ('org/repo[@revision][:function]'); fix: pick one of those")
+
+
+def check_core_attention(name) -> None:
+    core_kind(name)
 
 
 class UlyssesAttention(torch.nn.Module):
     """Sequence-parallel attention around a core attention function of Transformers' signature.
 
-    The machinery behind :class:`ds_ulysses.UlyssesSPAttentionHF`: same constructor and ``forward`` contract
-    (q/k/v ``[bs hc sl_l hs]`` in, ``([bs sl_l em], attn_weights)`` out). Unlike it, any head count
-    works for any sp <= heads, sequence shards may differ in length, and packed documents are
-    attended per document under every core. Keyword-only extras: ``watch`` (the mesh's
+    The machinery behind :class:`ds_ulysses.UlyssesSPAttentionHF`: DeepSpeed's constructor, and
+    ``forward`` takes q/k/v ``[bs hc sl_l hs]`` and returns ``([bs sl_l hc hs], attn_weights)``, the
+    shape Transformers' own attention functions return (DeepSpeed flattens it to ``hc*hs``, which
+    breaks models that split, normalise or gate the output per head). Unlike DeepSpeed's, any head
+    count works for any sp <= heads, sequence shards may differ in length, and packed documents are
+    attended per document under every core. The head counts given to the constructor are the
+    config's; each call's own q/k/v decide the head split. Keyword-only extras: ``watch`` (the mesh's
     ``sp_watch``: names the group and counts steps in failure messages) and ``sliding_layers``
     (indices of layers that must receive their window as ``sliding_window``).
     """
@@ -64,7 +85,7 @@ class UlyssesAttention(torch.nn.Module):
                  core_attn_implementation: str = "sdpa", *, watch: GroupWatch | None = None,
                  sliding_layers: frozenset = frozenset()) -> None:
         super().__init__()
-        check_core_attention(core_attn_implementation)
+        self.core_kind = core_kind(core_attn_implementation)
         self.attn = attn
         self.core_attn_implementation = core_attn_implementation
         self.process_group = process_group
@@ -77,7 +98,7 @@ class UlyssesAttention(torch.nn.Module):
         self.seq_length_is_variable = seq_length_is_variable
         self.local_seq_length, self.global_seq_length = local_seq_length, global_seq_length
         self.disable_in_eval = disable_in_eval
-        self.heads = plan_heads(attn_head_count, kv_head_count, self.world_size)
+        plan_heads(attn_head_count, kv_head_count, self.world_size)  # the config's layout must be servable
         self.watch = watch if watch is not None else GroupWatch.of_group(process_group)
         self.sliding_layers = sliding_layers  # layer_idx of layers whose window must arrive as a kwarg
         # the PositionCheck of the model call itself, set per forward by the hook registration adds:
@@ -85,10 +106,16 @@ class UlyssesAttention(torch.nn.Module):
         # and fail in RoPE before attention on a mis-shaped tensor (the hook swaps in a stand-in)
         self.input_verdict = None
         self._forward_state = None  # (position_ids as given, its version, gathered state)
+        self._plans: dict[tuple[int, int], HeadPlan] = {}
         self._layouts: dict = {}
 
+    def new_forward(self) -> None:
+        """Forget the gathered positions: the next layer call starts a new model forward (called by the
+        decoder's pre-forward hook; without it a forward is recognised by its position_ids tensor)."""
+        self._forward_state = None
+
     # -- once per model forward -----------------------------------------------------------------
-    def _gather_positions(self, given, query: torch.Tensor):
+    def _gather_positions(self, given, query: torch.Tensor, key: torch.Tensor):
         """Global position_ids and every rank's shard length, gathered once per model forward.
 
         Every layer receives the very same position_ids tensor, so the first layer gathers and the
@@ -105,12 +132,12 @@ class UlyssesAttention(torch.nn.Module):
             positions = self.input_verdict
         self.input_verdict = None
         device = collective_device(self.process_group)
-        mine = ForwardFacts.of(query, positions, self.attn_head_count).to_tensor(device)  # [width]
+        mine = ForwardFacts.of(query, key, positions).to_tensor(device)  # [width]
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
         with self.watch.collective("the attention's shard-length gather"):
             dist.all_gather(rows, mine, group=self.process_group)
         every = [ForwardFacts.from_tensor(r) for r in rows]
-        check_forward(every, self.attn_head_count, None if self.seq_length_is_variable else self.global_seq_length)
+        check_forward(every, None if self.seq_length_is_variable else self.global_seq_length)
         seq_lens = tuple(f.seq_len for f in every)
         local = given.expand(bs, sl_l) if given.shape[0] != bs else given
         padded = torch.zeros(bs, max(seq_lens), dtype=torch.long, device=device)
@@ -123,43 +150,50 @@ class UlyssesAttention(torch.nn.Module):
         self._forward_state = (given, given._version, gathered)
         return gathered
 
-    def _layout(self, seq_lens, qkv: bool) -> HeadLayout:
-        key = (seq_lens, qkv)
+    def _plan(self, hc: int, hc_kv: int) -> HeadPlan:
+        if (hc, hc_kv) not in self._plans:
+            self._plans[hc, hc_kv] = plan_heads(hc, hc_kv, self.world_size)
+        return self._plans[hc, hc_kv]
+
+    def _layout(self, seq_lens, hc: int, hc_kv: int, qkv: bool) -> HeadLayout:
+        key = (seq_lens, hc, hc_kv, qkv)
         if key not in self._layouts:
-            heads = (self.heads.q_heads, self.heads.kv_heads, self.heads.kv_heads) if qkv else (self.heads.q_heads,)
-            counts = (self.attn_head_count, self.kv_head_count, self.kv_head_count) if qkv else (self.attn_head_count,)
+            plan = self._plan(hc, hc_kv)
+            heads = (plan.q_heads, plan.kv_heads, plan.kv_heads) if qkv else (plan.q_heads,)
+            counts = (hc, hc_kv, hc_kv) if qkv else (hc,)
             self._layouts[key] = HeadLayout(self.process_group, self.sp_rank, heads, counts, seq_lens)
         return self._layouts[key]
 
     # -- per layer ------------------------------------------------------------------------------
     def forward(self, module, query, key, value, attention_mask, *args, **kwargs):
-        """q/k/v ``[bs hc sl_l hs]`` -> ``([bs sl_l em], attn_weights)``.
+        """q/k/v ``[bs hc sl_l hs]`` -> ``([bs sl_l hc hs], attn_weights)``.
 
         ``attention_mask`` is ignored under SP: a mask built for the local shard means nothing
         after the all-to-all; causality and document boundaries come from the global position_ids.
         """
         if self.world_size == 1 or (self.disable_in_eval and not module.training):
             return self.attn(module, query, key, value, attention_mask, *args, **kwargs)
-        bs, _, sl_l, _ = query.shape
-        state = self._gather_positions(kwargs.get("position_ids"), query)
+        hc, hc_kv = query.shape[1], key.shape[1]
+        state = self._gather_positions(kwargs.get("position_ids"), query, key)
         seq_lens = state.seq_lens
         if self.sliding_layers and kwargs.get("sliding_window") is None:
             self._check_window_passed(module)
 
         # [bs hc sl_l hs] -> [bs sl_l hc hs] -> all-to-all -> [bs sl hc_l hs] -> [bs hc_l sl hs]
         try:
-            q, k, v = SeqToHeads.apply(self._layout(seq_lens, True), *(x.transpose(1, 2) for x in (query, key, value)))
+            q, k, v = SeqToHeads.apply(self._layout(seq_lens, hc, hc_kv, True),
+                                       *(x.transpose(1, 2) for x in (query, key, value)))
         except RuntimeError as err:
             self.watch.reraise("the attention's q/k/v all-to-all", err)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
         kwargs["position_ids"] = state.positions
-        out, weights = self._core(module, q, k, v, state, *args, **kwargs)  # [bs sl hc_l hs]
-        # [bs sl hc_l hs] -> all-to-all -> [bs sl_l hc hs] -> [bs sl_l em]
+        out, weights = self._core(module, q, k, v, state, self._plan(hc, hc_kv), *args, **kwargs)  # [bs sl hc_l hs]
+        # [bs sl hc_l hs] -> all-to-all -> [bs sl_l hc hs]
         try:
-            (out,) = HeadsToSeq.apply(self._layout(seq_lens, False), out)
+            (out,) = HeadsToSeq.apply(self._layout(seq_lens, hc, hc_kv, False), out)
         except RuntimeError as err:
             self.watch.reraise("the attention's output all-to-all", err)
-        return out.reshape(bs, sl_l, -1), weights
+        return out, weights
 
     def _check_window_passed(self, module) -> None:
         """A sliding layer whose model encodes the window only in the mask (which SP drops) would
@@ -174,46 +208,28 @@ class UlyssesAttention(torch.nn.Module):
                 "silently wrong; expected the window as the core attention's sliding_window argument; fix: "
                 "train without SP, or disable the window in the model config")
 
-    def _core(self, module, q, k, v, state: "_Gathered", *args, **kwargs):
+    def _core(self, module, q, k, v, state: "_Gathered", plan: HeadPlan, *args, **kwargs):
         groups_attr = hasattr(module, "num_key_value_groups")
         saved = getattr(module, "num_key_value_groups", None)
         if groups_attr:
-            module.num_key_value_groups = self.heads.kv_groups(self.sp_rank)
+            module.num_key_value_groups = plan.kv_groups(self.sp_rank)
         try:
-            core = self.core_attn_implementation
             window = kwargs.get("sliding_window")
-            if core == "sdpa":
+            if self.core_kind == "sdpa":
                 if state.docs.packed or (window is not None and q.shape[2] > window):
                     kwargs.pop("position_ids")
                     kwargs.pop("sliding_window", None)
                     return packed_attention(self.attn, module, q, k, v, state.docs, window, **kwargs)
                 return self.attn(module, q, k, v, None, *args, **kwargs)
-            if core == "flex_attention":
+            if self.core_kind == "flex":
                 mask = state.flex_mask(window)
                 return self.attn(module, q, k, v, mask, *args, **kwargs)
             # flash kernels read packing from the global position_ids (their varlen path) and the
-            # window from sliding_window (passed through in kwargs); Transformers' flash forward picks
-            # its kernel by the module config's attention name, which here is the SP wrapper's
-            with _core_name(module, core):
-                return self.attn(module, q, k, v, None, *args, **kwargs)
+            # window from sliding_window (passed through in kwargs)
+            return self.attn(module, q, k, v, None, *args, **kwargs)
         finally:
             if groups_attr:
                 module.num_key_value_groups = saved
-
-
-@contextlib.contextmanager
-def _core_name(module, core: str):
-    """Show the core attention's own name in ``module.config`` for the duration of one core call."""
-    config = getattr(module, "config", None)
-    saved = getattr(config, "_attn_implementation_internal", None)
-    if saved is None or saved == core:
-        yield
-        return
-    config._attn_implementation_internal = core
-    try:
-        yield
-    finally:
-        config._attn_implementation_internal = saved
 
 
 class _Gathered:

@@ -1,8 +1,8 @@
 """The once-per-forward check of the SP attention's inputs, exchanged as one typed record.
 
 Every SP rank must enter the attention's collectives with its shard of the same micro-batch. A rank
-whose input is wrong (no position_ids, a mis-shaped tensor, another batch size or dtype than its
-peers) must not raise alone while the others wait in the all-to-all. So each rank describes its
+whose input is wrong (no position_ids, a mis-shaped tensor, another batch size, dtype or head layout
+than its peers) must not raise alone while the others wait in the all-to-all. So each rank describes its
 forward as a :class:`ForwardFacts` record; the records of all SP ranks are all-gathered once per
 model forward (the gather that also carries each rank's shard length), and :func:`check_forward`
 raises the same error on every rank, or none.
@@ -43,7 +43,6 @@ class Problem(enum.IntEnum):
     POSITIONS_DTYPE = 2
     POSITIONS_SHAPE = 3
     NEGATIVE_POSITIONS = 4
-    HEADS = 5
 
 
 @dataclass(frozen=True)
@@ -85,37 +84,32 @@ class ForwardFacts:
     batch: int            # bs
     dtype: int            # dtype code of the query
     heads: int            # query heads at the call
+    kv_heads: int         # key/value heads at the call
+    head_size: int
     positions: PositionCheck
 
+    _SCALARS = 6  # the int fields before positions
+
     @classmethod
-    def of(cls, query: torch.Tensor, positions: PositionCheck, expected_heads: int) -> "ForwardFacts":
-        """Facts of q ``[bs hc sl_l hs]``; a head count other than ``expected_heads`` is the problem."""
-        bs, hc, sl_l, _ = query.shape
-        if hc != expected_heads:
-            positions = dataclasses.replace(positions, problem=Problem.HEADS)
-        return cls(sl_l, bs, dtype_code(query.dtype), hc, positions)
+    def of(cls, query: torch.Tensor, key: torch.Tensor, positions: PositionCheck) -> "ForwardFacts":
+        """Facts of q ``[bs hc sl_l hs]`` and k ``[bs hc_kv sl_l hs]``."""
+        bs, hc, sl_l, hs = query.shape
+        return cls(sl_l, bs, dtype_code(query.dtype), hc, key.shape[1], hs, positions)
 
     def to_tensor(self, device) -> torch.Tensor:
         """The record as one int64 row (``[width]``), for an all_gather."""
-        flat = [self.seq_len, self.batch, self.dtype, self.heads, *dataclasses.astuple(self.positions)]
+        flat = [*dataclasses.astuple(self)[:self._SCALARS], *dataclasses.astuple(self.positions)]
         return torch.tensor(flat, dtype=torch.long, device=device)
 
     @classmethod
     def from_tensor(cls, row: torch.Tensor) -> "ForwardFacts":
         """Inverse of :meth:`to_tensor`."""
         values = [int(v) for v in row.tolist()]
-        return cls(*values[:4], PositionCheck(*values[4:]))
-
-    @classmethod
-    def width(cls) -> int:
-        return 4 + len(dataclasses.fields(PositionCheck))
+        return cls(*values[:cls._SCALARS], PositionCheck(*values[cls._SCALARS:]))
 
 
-def _problem_message(facts: ForwardFacts, expected_heads: int) -> str:
+def _problem_message(facts: ForwardFacts) -> str:
     pos, bs, sl_l = facts.positions, facts.batch, facts.seq_len
-    if pos.problem == Problem.HEADS:
-        return (f"query has {facts.heads} attention heads but the model config declares {expected_heads}; expected "
-                "the layout SP was registered with; fix: register the SP attention on the model that runs it")
     if pos.problem == Problem.NO_POSITIONS:
         return ("Ulysses SP needs position_ids in the model call (each rank's positions within the whole "
                 "sequence); got none; fix: pass the batch from UlyssesSPDataLoaderAdapter, or position_ids = "
@@ -131,13 +125,14 @@ def _problem_message(facts: ForwardFacts, expected_heads: int) -> str:
             "document")
 
 
-def check_forward(every: list[ForwardFacts], expected_heads: int, fixed_length: int | None) -> None:
+def check_forward(every: list[ForwardFacts], fixed_length: int | None) -> None:
     """Raise the same ValueError on every SP rank when any rank's forward input is wrong."""
-    message = first_error([(r, _problem_message(f, expected_heads)) for r, f in enumerate(every)
-                           if not f.positions.ok])
+    message = first_error([(r, _problem_message(f)) for r, f in enumerate(every) if not f.positions.ok])
     if message is None:
         for what, values in (("batch size", [f.batch for f in every]),
-                             ("attention dtype", [dtype_name(f.dtype) for f in every])):
+                             ("attention dtype", [dtype_name(f.dtype) for f in every]),
+                             ("head layout (query heads, key/value heads, head size)",
+                              [(f.heads, f.kv_heads, f.head_size) for f in every])):
             if len(set(values)) > 1:
                 message = (f"SP ranks disagree on the {what}: per SP rank {values}; expected every rank of "
                            "the group to run its shard of the same micro-batch; fix: feed the model through "

@@ -36,8 +36,10 @@ CASES = {
 
 
 EVAL_CASES = {
-    # torch 2.13 has no flex_attention backward on CPU: its forward (eval) path is checked here
-    "flex-forward-packed-sp2": (2, dict(family="llama", heads=4, kv_heads=2, attn="flex_attention",
+    # torch 2.13 has no flex_attention backward on CPU: its forward (eval) path is checked here. Its
+    # compiled CPU kernel returns garbage (NaN or O(1) errors) for head sizes 8 and 16 with a document
+    # mask, for the unsharded model as much as under SP, so the case uses 32
+    "flex-forward-packed-sp2": (2, dict(family="llama", heads=4, kv_heads=2, head_dim=32, attn="flex_attention",
                                         length=40, docs=[7, 13, 20])),
 }
 

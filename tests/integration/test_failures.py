@@ -43,36 +43,6 @@ def _run_scenarios(rank, world_size, names):
     return out
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def _adapter_next(rank, group, batches, **kwargs):
     next(iter(UlyssesSPDataLoaderAdapter([batches[rank]], rank, group, 2, "cpu", **kwargs)))
 
@@ -113,7 +83,7 @@ def _mesh():
 
 def _sp_model(rank, group, dtype=torch.float32, **register):
     model = tiny_model(tiny_config("llama", heads=4, kv_heads=2)).to(dtype)
-    UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, mesh=_mesh(), **register)
+    UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, mesh=_mesh(), scope="model", **register)
     return model
 
 
@@ -180,7 +150,7 @@ def _sc_window_in_mask_only(rank, group):
     cfg = hf_config("qwen2_moe", vocab_size=VOCAB, moe_intermediate_size=32, shared_expert_intermediate_size=32,
                   num_experts=2, num_experts_per_tok=1, use_sliding_window=True, sliding_window=4, max_window_layers=2)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, mesh=_mesh())
+    UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, mesh=_mesh(), scope="model")
     ids, pos = _shard(rank)
     model(input_ids=ids, position_ids=pos)
 
@@ -241,26 +211,8 @@ def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank(name, two_ran
     assert re.search(phrase, messages[0]), messages[0]
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def _launch_failure(mode: str, timeout: float, tmp_path) -> dict:
-    """Both ranks of tests/rank_failure.py; rank 1 fails at step 2. How and when did rank 0 end?"""
+    """Both ranks of tests/support/rank_failure.py; rank 1 fails at step 2. How and when did rank 0 end?"""
     stamp = tmp_path / "failed_at"
     port = free_port()
     procs, logs = [], []
@@ -270,7 +222,7 @@ def _launch_failure(mode: str, timeout: float, tmp_path) -> dict:
                "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
         log = open(tmp_path / f"rank{rank}.log", "w+")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.rank_failure", mode, str(timeout), str(stamp)],
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.support.rank_failure", mode, str(timeout), str(stamp)],
                                       cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
         code = procs[0].wait(timeout=600)
@@ -299,15 +251,5 @@ def test_survivor_exits_naming_group_and_step_within_the_timeout(mode, tmp_path)
     assert "SPCommError: SP group ranks [0, 1]" in res["output"] and "failed at step 2" in res["output"], tail
     assert "survivor finished every step" not in res["output"], tail
     assert res["seconds"] < timeout + 30, (res["seconds"], tail)
-
-
-
-
-
-
-
-
-
-
 
 

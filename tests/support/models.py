@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM
 
 VOCAB = 128
-
-FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
 
 
 def tiny_config(family: str = "llama", heads: int = 4, kv_heads: int | None = None, head_dim: int = 8,
                 layers: int = 2, attn: str = "sdpa", **extra):
-    cfg = FAMILIES[family](
-        vocab_size=VOCAB, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
+    """A tiny config of the Transformers model type ``family`` (llama, qwen2, mistral, cohere, ...)."""
+    cfg = AutoConfig.for_model(
+        family, vocab_size=VOCAB, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
         head_dim=head_dim, max_position_embeddings=4096, tie_word_embeddings=False, **extra)
     cfg._attn_implementation = attn

@@ -77,7 +77,8 @@ def flash_standin(module, query, key, value, attention_mask, dropout=0.0, scalin
 
 def _build(case: dict, world_size: int):
     cfg = tiny_config(case.get("family", "llama"), case.get("heads", 4), case.get("kv_heads"),
-                      layers=case.get("layers", 2), attn="sdpa", **case.get("extra", {}))
+                      head_dim=case.get("head_dim", 8), layers=case.get("layers", 2), attn="sdpa",
+                      **case.get("extra", {}))
     base = tiny_model(cfg)
     bs = case.get("bs", 1)
     lens = case.get("lens", [case.get("length", 16)] * world_size)
@@ -94,7 +95,7 @@ def sp_vs_reference(rank: int, world_size: int, case: dict) -> dict:
     if core.startswith("flash"):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         ALL_ATTENTION_FUNCTIONS[core] = flash_standin
-    mpu = UlyssesSPAttentionHF.register_with_transformers(model, core, world_size, bs)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, core, world_size, bs, scope="model")
     enable_sp_loss(model, mpu.get_sequence_parallel_group())
     loader = UlyssesSPDataLoaderAdapter([samples[rank]], mpu.get_sequence_parallel_rank(),
                                         mpu.get_sequence_parallel_group(), world_size, "cpu")
@@ -119,7 +120,7 @@ def sp_eval_vs_reference(rank: int, world_size: int, case: dict) -> dict:
     """Forward only (eval, no grad): SP loss vs the unsharded per-document loss."""
     base, samples, bs = _build(case, world_size)
     ref, model = copy.deepcopy(base).eval(), copy.deepcopy(base).eval()
-    mpu = UlyssesSPAttentionHF.register_with_transformers(model, case["attn"], world_size, bs)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, case["attn"], world_size, bs, scope="model")
     enable_sp_loss(model, mpu.get_sequence_parallel_group())
     loader = UlyssesSPDataLoaderAdapter([samples[rank]], mpu.get_sequence_parallel_rank(),
                                         mpu.get_sequence_parallel_group(), world_size, "cpu")

@@ -11,7 +11,6 @@ from ds_ulysses import cli
 from tests.support import REPO
 
 
-
 def write(tmp_path, payload, name="ds.json") -> str:
     path = tmp_path / name
     path.write_text(payload if isinstance(payload, str) else json.dumps(payload))

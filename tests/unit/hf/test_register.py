@@ -1,4 +1,5 @@
-"""Registering the SP attention with Transformers: per model or by name, refusals, and the undo."""
+"""Registering the SP attention with Transformers: DeepSpeed's global contract, the per-model scope,
+refusals, Hub kernels, and the undo."""
 
 import copy
 
@@ -21,15 +22,16 @@ def _isolation(rank, world_size):
             m.config = cfg
     x = make_sample(0, 16)
     before = b(input_ids=x["input_ids"]).logits
-    UlyssesSPAttentionHF.register_with_transformers(a, "sdpa", world_size, 1)
+    UlyssesSPAttentionHF.register_with_transformers(a, "sdpa", world_size, 1, scope="model")
     after = b(input_ids=x["input_ids"]).logits
     return {"same": torch.equal(before, after), "b_impl": b.config._attn_implementation,
-            "a_impl": a.config._attn_implementation}
+            "a_impl": a.config._attn_implementation, "a_private": a.config is not cfg, "b_shared": b.config is cfg}
 
 
-def test_registration_touches_only_that_model():
+def test_model_scope_touches_only_that_model():
     for res in run_distributed(_isolation, 2):
-        assert res["same"] and res["b_impl"] == "sdpa" and res["a_impl"].startswith("ulysses")
+        assert res["same"] and res["b_impl"] == res["a_impl"] == "sdpa", res
+        assert res["a_private"] and res["b_shared"], res
 
 
 def _global_registration(rank, world_size, config_dir):
@@ -121,7 +123,7 @@ def _multimodal_per_model(rank, world_size):
     ref = copy.deepcopy(model)
     pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     before = _vision_features(model, pixels)
-    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world_size, 1)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world_size, 1, scope="model")
     after, calls = _count_collectives(lambda: _vision_features(model, pixels))
     enable_sp_loss(model, mpu.get_sequence_parallel_group())
     sample = make_sample(3, 16)
@@ -140,7 +142,7 @@ def _multimodal_per_model(rank, world_size):
 
 def test_multimodal_model_only_its_text_attention_runs_sp():
     for res in run_distributed(_multimodal_per_model, 2):
-        assert res["vision_impl"] == "sdpa" and res["text_impl"].startswith("ulysses"), res
+        assert res["vision_impl"] == res["text_impl"] == "sdpa", res
         assert res["vision_same"] and res["vision_collectives"] == 0, res
         assert res["loss_err"] <= 1e-5, res
 
@@ -194,7 +196,7 @@ def _flash_window(rank, world_size):
     cfg = tiny_config("mistral", heads=4, kv_heads=2, sliding_window=8)
     model = tiny_model(cfg)
     ref = copy.deepcopy(model)
-    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "flash_attention_2", world_size, 1)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "flash_attention_2", world_size, 1, scope="model")
     enable_sp_loss(model, mpu.get_sequence_parallel_group())
     sample = make_sample(5, 40, docs=[30, 10])
     sl_l = 40 // world_size
@@ -209,5 +211,144 @@ def _flash_window(rank, world_size):
 def test_flash_attention_2_gets_the_window_and_its_own_kernel_name():
     for res in run_distributed(_flash_window, 2):
         assert res["seen"] == [("flash_attention_2", 8)], res
-        assert res["name_after"].startswith("ulysses"), res
+        assert res["name_after"] == "flash_attention_2", res  # the model keeps the core's name
         assert res["loss_err"] <= 1e-5, res
+
+
+class _ConfigHolder:
+    """What DeepSpeed's PEFT test passes: an object with ``.config`` and nothing else."""
+
+    def __init__(self, config):
+        self.config = config
+
+
+def _deepspeed_contract(rank, world_size):
+    """Registration from a config holder serves a model built afterwards: its SP logits on this rank's
+    shard equal the unsharded model's logits there (DeepSpeed's global replacement)."""
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    ref = tiny_model(cfg)
+    sample = make_sample(2, 16)
+    with torch.no_grad():
+        want = ref(input_ids=sample["input_ids"], position_ids=sample["position_ids"]).logits  # [1 16 V]
+    mpu = UlyssesSPAttentionHF.register_with_transformers(_ConfigHolder(cfg), "sdpa", world_size, 1)
+    model = tiny_model(cfg)  # built after the call, same weights
+    sl_l = 16 // world_size
+    shard = slice(rank * sl_l, (rank + 1) * sl_l)
+    with torch.no_grad():
+        got = model(input_ids=sample["input_ids"][:, shard], position_ids=sample["position_ids"][:, shard]).logits
+    unregister_from_transformers()
+    return {"mpu": (mpu.get_sequence_parallel_world_size(), mpu.get_sequence_parallel_rank()),
+            "err": rel_err(got, want[:, shard])}
+
+
+def test_a_config_holder_registers_globally_for_models_built_later():
+    for rank, res in enumerate(run_distributed(_deepspeed_contract, 2)):
+        assert res["mpu"] == (2, rank) and res["err"] <= 1e-5, res
+
+
+def test_a_loaded_model_running_another_core_is_refused_like_deepspeed():
+    cfg = tiny_config("llama")
+    cfg._attn_implementation = "sdpa"
+    with pytest.raises(ValueError, match="core_attn_implementation='flash_attention_2' does not match model config "
+                                         "attn_implementation='sdpa'"):
+        UlyssesSPAttentionHF.register_with_transformers(_ConfigHolder(cfg), "flash_attention_2", 2, 1)
+
+
+def test_model_scope_needs_a_module():
+    with pytest.raises(ValueError, match="scope='model' needs the model object"):
+        UlyssesSPAttentionHF.register_with_transformers(_ConfigHolder(tiny_config("llama")), "sdpa", 2, 1,
+                                                        scope="model")
+
+
+def _hub_kernel(rank, world_size):
+    """Transformers registers a Hub kernel in its table on first load (stubbed here: nothing can be
+    downloaded); registration must trigger that load, wrap the kernel's entry and leave sdpa alone."""
+    from transformers import modeling_flash_attention_utils
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    loaded, name, sdpa = [], "kernels-community/flash-attn2", ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def register_kernel(implementation, *args, **kwargs):
+        loaded.append(implementation)
+        ALL_ATTENTION_FUNCTIONS[implementation] = sdpa
+
+    def no_kernels(implementation, *args, **kwargs):
+        raise ImportError("kernels is not installed")
+
+    modeling_flash_attention_utils.lazy_import_flash_attention = register_kernel
+    cfg = tiny_config("llama")
+    cfg._attn_implementation = name
+    mpu = UlyssesSPAttentionHF.register_with_transformers(_ConfigHolder(cfg), name, world_size, 1)
+    out = {"mpu": mpu is not None, "loaded": loaded, "sdpa_untouched": ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa,
+           "kernel_wrapped": ALL_ATTENTION_FUNCTIONS[name] is not sdpa}
+    unregister_from_transformers()
+    modeling_flash_attention_utils.lazy_import_flash_attention = no_kernels
+    try:
+        UlyssesSPAttentionHF.register_with_transformers(_ConfigHolder(tiny_config("llama")), "org/kernel@v1:fn",
+                                                        world_size, 1)
+    except ImportError as err:
+        out["missing"] = str(err)
+    return out
+
+
+def test_hub_kernels_are_loaded_through_transformers_and_a_missing_kernels_package_is_named():
+    for res in run_distributed(_hub_kernel, 2):
+        assert res["mpu"] and res["loaded"] == ["kernels-community/flash-attn2"], res
+        assert res["sdpa_untouched"] and res["kernel_wrapped"], res
+        assert "is a Hub kernel, which Transformers loads with the `kernels` package" in res["missing"], res
+        assert "pip install kernels" in res["missing"], res
+
+
+def _uninstall(rank, world_size):
+    import ds_ulysses
+    from transformers import PreTrainedModel
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    tables = (ALL_ATTENTION_FUNCTIONS["sdpa"], ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    post_init = PreTrainedModel.post_init
+    model = tiny_model(tiny_config("llama"))
+    config = model.config
+    UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world_size, 1, scope="model")
+    ds_ulysses.enable_sp_loss(model)
+    ds_ulysses.tile_mlps(model, 2)
+    ds_ulysses.register_with_transformers(_ConfigHolder(tiny_config("llama")), "sdpa", world_size, 1)
+    ds_ulysses.install()
+    import deepspeed
+    later = tiny_model(tiny_config("llama"))  # adopted by the global registration
+    touched = {"config": model.config is not config, "post_init": PreTrainedModel.post_init is not post_init,
+               "hooks": bool(later.model._forward_pre_hooks and model.model._forward_pre_hooks),
+               "forward": "forward" in vars(model), "mlp": "forward" in vars(model.model.layers[0].mlp),
+               "deepspeed": deepspeed.initialize is not ds_ulysses.engine.PATCHES.original_attr(deepspeed, "initialize")}
+    ds_ulysses.uninstall()
+    restored = {"tables": (ALL_ATTENTION_FUNCTIONS["sdpa"], ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]) == tables,
+                "post_init": PreTrainedModel.post_init is post_init,
+                "config": model.config is config and all(m.config is config for m in model.modules()
+                                                         if "config" in vars(m)),
+                "forward": "forward" not in vars(model) and "forward" not in vars(model.model.layers[0].mlp),
+                "hooks": not later.model._forward_pre_hooks and not model.model._forward_pre_hooks,
+                "deepspeed": deepspeed.initialize.__module__.startswith("deepspeed")}
+    return touched, restored
+
+
+def test_uninstall_restores_every_table_class_and_model_it_touched():
+    for touched, restored in run_distributed(_uninstall, 2):
+        assert all(touched.values()), touched
+        assert all(restored.values()), restored
+
+
+def _bypassed(rank, world_size):
+    model = tiny_model(tiny_config("llama"))
+    UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world_size, 1, scope="model")
+    model.config._attn_implementation = "eager"  # after registration: attention no longer looks up 'sdpa'
+    sl_l = 8
+    try:
+        model(input_ids=torch.randint(0, 100, (1, sl_l)), position_ids=torch.arange(rank * sl_l, (rank + 1) * sl_l)[None])
+    except RuntimeError as err:
+        return str(err)
+    return "NO ERROR"
+
+
+def test_a_forward_that_never_reaches_the_sp_attention_is_an_error_not_plain_data_parallelism():
+    for message in run_distributed(_bypassed, 2):
+        assert "LlamaModel.forward ran without the Ulysses SP attention" in message, message

@@ -50,7 +50,8 @@ def _disable_in_eval(rank, world_size):
     cfg = tiny_config("qwen2", heads=4, kv_heads=2)
     ref = tiny_model(cfg)
     model = copy.deepcopy(ref)
-    UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world_size, 1, disable_in_eval=True)
+    UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world_size, 1, disable_in_eval=True,
+                                                   scope="model")
     x = make_sample(1, 16)
     model.eval()
     with torch.no_grad():

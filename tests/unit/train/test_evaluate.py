@@ -53,7 +53,7 @@ def _sp_rank(rank, world_size):
 
     mesh = Mesh(1, world_size)
     model = _model()
-    register_with_transformers(model, "sdpa", world_size, 1, mesh=mesh)
+    register_with_transformers(model, "sdpa", world_size, 1, mesh=mesh, scope="model")
     out = {}
     for buckets in ("log2", BUCKET):
         result = evaluate_positions(model, _samples(), mesh, buckets)
