@@ -85,7 +85,7 @@ class UlyssesAttention(torch.nn.Module):
                  core_attn_implementation: str = "sdpa", *, watch: GroupWatch | None = None,
                  sliding_layers: frozenset = frozenset()) -> None:
         super().__init__()
-        self.core_kind = core_kind(core_attn_implementation)
+        core_kind(core_attn_implementation)
         self.attn = attn
         self.core_attn_implementation = core_attn_implementation
         self.process_group = process_group
@@ -108,6 +108,12 @@ class UlyssesAttention(torch.nn.Module):
         self._forward_state = None  # (position_ids as given, its version, gathered state)
         self._plans: dict[tuple[int, int], HeadPlan] = {}
         self._layouts: dict = {}
+
+    @property
+    def kind(self) -> str:
+        """sdpa, flex or flash (see :func:`core_kind`); DeepSpeed's users set core_attn_implementation
+        after construction, so it is read at every call."""
+        return core_kind(self.core_attn_implementation)
 
     def new_forward(self) -> None:
         """Forget the gathered positions: the next layer call starts a new model forward (called by the
@@ -215,13 +221,13 @@ class UlyssesAttention(torch.nn.Module):
             module.num_key_value_groups = plan.kv_groups(self.sp_rank)
         try:
             window = kwargs.get("sliding_window")
-            if self.core_kind == "sdpa":
+            if self.kind == "sdpa":
                 if state.docs.packed or (window is not None and q.shape[2] > window):
                     kwargs.pop("position_ids")
                     kwargs.pop("sliding_window", None)
                     return packed_attention(self.attn, module, q, k, v, state.docs, window, **kwargs)
                 return self.attn(module, q, k, v, None, *args, **kwargs)
-            if self.core_kind == "flex":
+            if self.kind == "flex":
                 mask = state.flex_mask(window)
                 return self.attn(module, q, k, v, mask, *args, **kwargs)
             # flash kernels read packing from the global position_ids (their varlen path) and the
