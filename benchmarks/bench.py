@@ -240,9 +240,16 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse, then build DeepSpeed's ops before the first launch, so no launch deadline covers a build
+    (the ranks inherit the virtualenv's op cache through ``TORCH_EXTENSIONS_DIR``)."""
+    from ds_ulysses.train import ops
+
     parser = argparse.ArgumentParser(prog="ds-ulysses bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run_command(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    ops.use_venv_cache()
+    ops.build()
+    return run_command(args)
 
 
 if __name__ == "__main__":
