@@ -37,10 +37,12 @@ from ..distributed.mesh import Mesh, build_mesh
 from ..patching import PATCHES
 from ..sp.attention import HUB_KERNEL, UlyssesAttention, check_core_attention
 from ..sp.forward_check import check_positions
+from ..sp.shards import SHARDS
 from .model_facts import text_config
 from .servable import check_model_servable, decoder_of, sliding_layers
 
-__all__ = ["UlyssesSPAttentionHF", "register_with_transformers", "unregister_from_transformers", "SCOPES"]
+__all__ = ["UlyssesSPAttentionHF", "register_with_transformers", "unregister_from_transformers", "sp_attention_of",
+           "SCOPES"]
 
 _TAG = "attention"
 SCOPES = ("global", "model")
@@ -79,6 +81,15 @@ class _Dispatch:
         uattn = self.attention_for(module)
         if uattn is None:  # not SP's (a vision tower, another model): the original core
             return self.attention(module, query, key, value, attention_mask, *args, **kwargs)
+        if attention_mask is not None and _sp_active(uattn, module) and \
+                id(getattr(module, "config", None)) in self.sp_configs:
+            # this model's mask builder returns None under SP, so the mask was made by the module itself
+            raise ValueError(
+                f"model not servable by Ulysses SP: {type(module).__name__} passes an attention mask it builds "
+                "itself (not Transformers' mask builder) to the attention function; SP attends over the gathered "
+                "sequence from the global position_ids and cannot apply a mask built for the local shard, so the "
+                "model would train silently wrong; expected attention_mask=None from the decoder under SP; fix: "
+                "train this model without sequence parallelism")
         return uattn(module, query, key, value, attention_mask, *args, **kwargs)
 
     def build_mask(self, *args, **kwargs):
@@ -316,13 +327,21 @@ def _check_positions(uattn, module, args, kwargs):
     attention's gathered positions are scoped to this forward (gradient-checkpointing recomputes in
     backward still reuse them).
     """
+    ids = args[0] if args else kwargs.get("input_ids")
     if not _sp_active(uattn, module):
+        if uattn.world_size > 1 and SHARDS.is_shard(uattn.process_group, ids):
+            raise ValueError(
+                f"{type(module).__name__} got a sequence shard from UlyssesSPDataLoaderAdapter in eval mode, where "
+                "SP is disabled (disable_in_eval; Accelerate and the Trainer always register it so): each rank would "
+                "attend only within its own shard, silently wrong; expected whole samples when SP is off; fix: "
+                "evaluate with a loader the adapter does not wrap (under Accelerate, prepare the eval DataLoader in "
+                "its own accelerator.prepare call), or keep SP on in eval (disable_in_eval false, ds_ulysses.initialize)")
         return None
     uattn.new_forward()
     module.__dict__["_ulysses_watched"] = uattn.watch.step
+    uattn.shard_verdict = SHARDS.verdict(uattn.process_group, ids)
     positional = len(args) > 2  # forward(input_ids, attention_mask, position_ids, ...)
     given = args[2] if positional else kwargs.get("position_ids")
-    ids = args[0] if args else kwargs.get("input_ids")
     ref = ids if torch.is_tensor(ids) else kwargs.get("inputs_embeds")
     if not torch.is_tensor(ref) or ref.dim() < 2:
         return None
@@ -334,6 +353,14 @@ def _check_positions(uattn, module, args, kwargs):
     if positional:
         return (*args[:2], standin, *args[3:]), kwargs
     return args, {**kwargs, "position_ids": standin}
+
+
+def sp_attention_of(model):
+    """The SP attention serving ``model``'s text decoder (by either scope), or None."""
+    text = text_config(decoder_of(model))
+    dispatch = _dispatches.get(getattr(text, "_attn_implementation", None))
+    entry = dispatch.sp_configs.get(id(text)) if dispatch is not None else None
+    return None if entry is None else entry[0]
 
 
 def unregister_from_transformers() -> None:

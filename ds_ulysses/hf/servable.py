@@ -69,8 +69,32 @@ def check_model_servable(config, model=None) -> None:
         raise ValueError(
             f"model not servable by Ulysses SP: its config has no attention head count "
             f"(num_attention_heads={heads!r}); expected a transformer with num_attention_heads >= 1")
+    _check_rope(text, model_type)
     if model is not None:
         _check_modules(model)
+
+
+# RoPE types whose frequencies depend on the longest position in the batch (Transformers'
+# dynamic_rope_update): each SP rank sees only its shard's positions and would scale differently.
+BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _rope_types(text) -> set:
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        return set()
+    nested = [v for v in params.values() if isinstance(v, dict)]  # per layer type
+    return {str(p.get("rope_type") or p.get("type")) for p in (nested or [params])}
+
+
+def _check_rope(text, model_type) -> None:
+    found = sorted(t for t in _rope_types(text) if any(kind in t for kind in BATCH_DEPENDENT_ROPE))
+    if found:
+        raise ValueError(
+            f"model not servable by Ulysses SP: {model_type!r} uses RoPE {found}, whose frequencies follow the longest "
+            "position in the batch; each SP rank sees only its shard's positions and would rotate with another scaling "
+            "than the unsharded model; expected a RoPE that does not depend on the batch (default, linear, yarn, "
+            "llama3, ...); fix: set rope_parameters to a static rope_type for training, or train without SP")
 
 
 def decoder_of(model):

@@ -29,7 +29,7 @@ from ..config import attn_implementations
 from ..distributed import HeadLayout, HeadsToSeq, SeqToHeads
 from ..distributed.collectives import collective_device
 from ..distributed.watch import GroupWatch
-from .forward_check import ForwardFacts, check_forward, check_positions
+from .forward_check import ForwardFacts, PositionCheck, Problem, check_forward, check_positions
 from .heads import HeadPlan, plan_heads
 from .packed import find_documents, packed_attention
 
@@ -105,6 +105,8 @@ class UlyssesAttention(torch.nn.Module):
         # HF decoders invent local arange positions when none are given (silently wrong under SP),
         # and fail in RoPE before attention on a mis-shaped tensor (the hook swaps in a stand-in)
         self.input_verdict = None
+        # the hook's ShardCheck of the model input (ds_ulysses.sp.shards): is it the data adapter's shard?
+        self.shard_verdict = ShardCheck()
         self._forward_state = None  # (position_ids as given, its version, gathered state)
         self._plans: dict[tuple[int, int], HeadPlan] = {}
         self._layouts: dict = {}
@@ -136,9 +138,12 @@ class UlyssesAttention(torch.nn.Module):
         positions = check_positions(given, bs, sl_l)
         if self.input_verdict is not None and not self.input_verdict.ok:
             positions = self.input_verdict
+        elif self.input_verdict is not None and given is None:
+            positions = PositionCheck(Problem.NOT_FORWARDED)
         self.input_verdict = None
+        shard, self.shard_verdict = self.shard_verdict, ShardCheck()
         device = collective_device(self.process_group)
-        mine = ForwardFacts.of(query, key, positions).to_tensor(device)  # [width]
+        mine = ForwardFacts.of(query, key, positions, shard).to_tensor(device)  # [width]
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
         with self.watch.collective("the attention's shard-length gather"):
             dist.all_gather(rows, mine, group=self.process_group)

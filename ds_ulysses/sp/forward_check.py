@@ -23,7 +23,8 @@ import torch
 
 from .batch_check import first_error, is_int_tensor
 
-__all__ = ["Problem", "PositionCheck", "ForwardFacts", "check_positions", "check_forward"]
+__all__ = ["Problem", "PositionCheck", "ShardStatus", "ShardCheck", "ForwardFacts", "check_positions",
+           "check_forward"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool)
@@ -43,6 +44,7 @@ class Problem(enum.IntEnum):
     POSITIONS_DTYPE = 2
     POSITIONS_SHAPE = 3
     NEGATIVE_POSITIONS = 4
+    NOT_FORWARDED = 5      # the model call had position_ids, its attention call none
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,23 @@ def check_positions(position_ids, bs: int, sl_l: int) -> PositionCheck:
     return PositionCheck(Problem.OK, **shape)
 
 
+class ShardStatus(enum.IntEnum):
+    UNCHECKED = 0    # SP not configured by a section / parallelism_config (drop-in), or no input_ids
+    SHARD = 1        # a shard the data adapter yielded for this SP group
+    NOT_A_SHARD = 2  # the adapter ran for this group, but this input is none of its shards
+    NO_ADAPTER = 3   # no adapter ever yielded for this group
+
+
+@dataclass(frozen=True)
+class ShardCheck:
+    """This rank's model input against the shards the data adapter yielded (:mod:`ds_ulysses.sp.shards`)."""
+
+    status: int = ShardStatus.UNCHECKED
+    serial: int = -1     # which yielded micro-batch (SHARD; -1 when two micro-batches look alike)
+    rows: int = 0        # the input's [bs, sl_l] when it is not a shard
+    cols: int = 0
+
+
 @dataclass(frozen=True)
 class ForwardFacts:
     """What one SP rank's attention sees at the first layer of a forward."""
@@ -87,29 +106,38 @@ class ForwardFacts:
     kv_heads: int         # key/value heads at the call
     head_size: int
     positions: PositionCheck
+    shard: ShardCheck = ShardCheck()
 
     _SCALARS = 6  # the int fields before positions
 
     @classmethod
-    def of(cls, query: torch.Tensor, key: torch.Tensor, positions: PositionCheck) -> "ForwardFacts":
+    def of(cls, query: torch.Tensor, key: torch.Tensor, positions: PositionCheck,
+           shard: ShardCheck = ShardCheck()) -> "ForwardFacts":
         """Facts of q ``[bs hc sl_l hs]`` and k ``[bs hc_kv sl_l hs]``."""
         bs, hc, sl_l, hs = query.shape
-        return cls(sl_l, bs, dtype_code(query.dtype), hc, key.shape[1], hs, positions)
+        return cls(sl_l, bs, dtype_code(query.dtype), hc, key.shape[1], hs, positions, shard)
 
     def to_tensor(self, device) -> torch.Tensor:
         """The record as one int64 row (``[width]``), for an all_gather."""
-        flat = [*dataclasses.astuple(self)[:self._SCALARS], *dataclasses.astuple(self.positions)]
+        flat = [*dataclasses.astuple(self)[:self._SCALARS], *dataclasses.astuple(self.positions),
+                *dataclasses.astuple(self.shard)]
         return torch.tensor(flat, dtype=torch.long, device=device)
 
     @classmethod
     def from_tensor(cls, row: torch.Tensor) -> "ForwardFacts":
         """Inverse of :meth:`to_tensor`."""
         values = [int(v) for v in row.tolist()]
-        return cls(*values[:cls._SCALARS], PositionCheck(*values[cls._SCALARS:]))
+        split = cls._SCALARS + len(dataclasses.fields(PositionCheck))
+        return cls(*values[:cls._SCALARS], PositionCheck(*values[cls._SCALARS:split]), ShardCheck(*values[split:]))
 
 
 def _problem_message(facts: ForwardFacts) -> str:
     pos, bs, sl_l = facts.positions, facts.batch, facts.seq_len
+    if pos.problem == Problem.NOT_FORWARDED:
+        return ("position_ids reached the model call but not its attention function: this architecture's attention "
+                "modules do not pass them on, so SP cannot tell where each token sits in the whole sequence (or "
+                "where packed documents start); expected position_ids in the attention call's kwargs; fix: train "
+                "this model without sequence parallelism")
     if pos.problem == Problem.NO_POSITIONS:
         return ("Ulysses SP needs position_ids in the model call (each rank's positions within the whole "
                 "sequence); got none; fix: pass the batch from UlyssesSPDataLoaderAdapter, or position_ids = "
@@ -125,9 +153,44 @@ def _problem_message(facts: ForwardFacts) -> str:
             "document")
 
 
+_FEED_FIX = ("fix: feed the model the batches of UlyssesSPDataLoaderAdapter (the loader ds_ulysses.initialize "
+             "returns; under Accelerate, prepare the DataLoader in the same accelerator.prepare call as the model; "
+             "Transformers' Trainer wraps its train loader itself once ds_ulysses.install() runs before the Trainer "
+             "is created)")
+
+
+def _shard_message(every: list[ForwardFacts]) -> str | None:
+    """Every rank's input must be its shard of the micro-batch its peers run (SP configured by a section or
+    Accelerate's parallelism_config); anything else would train plain data parallelism, silently."""
+    per_rank = []
+    for rank, facts in enumerate(every):
+        shard = facts.shard
+        if shard.status == ShardStatus.NO_ADAPTER:
+            per_rank.append((rank, (
+                "Ulysses SP is configured for this model, but its input did not come from "
+                "UlyssesSPDataLoaderAdapter: no adapter has yielded shards for this SP group, so each rank would "
+                "attend over its own whole sequences (plain data parallelism, not SP); expected each rank's input "
+                f"to be its shard of a sample the SP group shares; {_FEED_FIX}")))
+        elif shard.status == ShardStatus.NOT_A_SHARD:
+            per_rank.append((rank, (
+                f"Ulysses SP is configured for this model, but its input_ids [{shard.rows}, {shard.cols}] are not a "
+                "shard UlyssesSPDataLoaderAdapter yielded for this SP group (whole sequences, another loader, or "
+                "input_ids changed after the adapter); SP would treat the ranks' inputs as pieces of one sequence; "
+                f"expected each rank's input to be its shard of a sample the SP group shares; {_FEED_FIX}")))
+    message = first_error(per_rank)
+    serials = [f.shard.serial for f in every if f.shard.status == ShardStatus.SHARD]
+    if message is None and len(serials) == len(every) and min(serials) >= 0 and len(set(serials)) > 1:
+        message = (f"SP ranks run shards of different micro-batches: per SP rank the adapter's micro-batch "
+                   f"{serials}; expected every rank of the group to run its shard of the same micro-batch; fix: "
+                   "iterate the adapter the same way on every rank (no rank may skip or repeat a batch)")
+    return message
+
+
 def check_forward(every: list[ForwardFacts], fixed_length: int | None) -> None:
     """Raise the same ValueError on every SP rank when any rank's forward input is wrong."""
-    message = first_error([(r, _problem_message(f)) for r, f in enumerate(every) if not f.positions.ok])
+    message = _shard_message(every)
+    if message is None:
+        message = first_error([(r, _problem_message(f)) for r, f in enumerate(every) if not f.positions.ok])
     if message is None:
         for what, values in (("batch size", [f.batch for f in every]),
                              ("attention dtype", [dtype_name(f.dtype) for f in every]),

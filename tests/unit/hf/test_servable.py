@@ -61,3 +61,20 @@ def test_name_path_registration_refuses_a_hybrid_checkpoint(tmp_path):
     hf_config("jamba", attn_layer_period=2, attn_layer_offset=1).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="model not servable by Ulysses SP"):
         UlyssesSPAttentionHF.register_with_transformers(str(tmp_path), "sdpa", 2, 1)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
+                                  {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                                   "original_max_position_embeddings": 64}])
+def test_rope_scaling_that_follows_the_batch_s_longest_position_is_refused(rope):
+    family = "phi3" if rope["rope_type"] == "longrope" else "llama"
+    config = tiny_config(family, rope_scaling=rope)
+    with pytest.raises(ValueError, match=rf"uses RoPE \['{rope['rope_type']}'\], whose frequencies follow the longest "
+                                         r"position in the batch.*fix: set rope_parameters to a static rope_type"):
+        check_model_servable(config)
+
+
+def test_static_rope_scaling_is_served():
+    check_model_servable(tiny_config("llama", rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    check_model_servable(tiny_config("llama", rope_scaling={"rope_type": "yarn", "factor": 2.0,
+                                                            "original_max_position_embeddings": 64}))
