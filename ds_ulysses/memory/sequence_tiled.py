@@ -5,15 +5,13 @@ length. Running it tile by tile under ``torch.no_grad()`` in forward and recompu
 time in backward bounds those intermediates to one tile, for the price of one extra forward. Only the
 input gradient buffer is preallocated at full size.
 
-Parameter gradients reach ``param.grad`` from the per-tile recomputes, not through the returned graph,
-so train with ``loss.backward()`` / ``engine.backward(loss)``; ``torch.autograd.grad(loss, params)``
-does not see them.
+Dimensions: bs batch, sl sequence, sl_t one tile of it.
 """
 
 import torch
 
-from .tiles import gathered, input_names, one_grad_per_input, param_grads, positive_int, recompute_tiles, \
-    tile_bounds, trainable_params
+from .tiles import TileGrads, input_names, one_grad_per_input, positive_int, tile_bounds, trainable_params, \
+    zero3_whole
 
 __all__ = ["SequenceTiledCompute", "sequence_tiled_compute"]
 
@@ -23,18 +21,14 @@ _REDUCTIONS = (None, "mean", "sum")
 class SequenceTiledCompute(torch.autograd.Function):
     """Run `fn` over sequence tiles of the `[bs, sl, ...]` tensors in `args`; recompute per tile in backward.
 
-    `fn` returns either a tensor that is concatenated on `output_unshard_dimension`, or a 0-dim tensor
-    per tile, stacked into `[shards]`; then `output_reduction` (None, "mean", "sum") applies to the
-    whole. Only the tensor under `grad_requiring_tensor_key` gets an input gradient; other non-leaf
-    tensors are constants, and leaves `fn` uses (parameters) accumulate their gradients as usual. Called through
-    `sequence_tiled_compute`, which takes dicts.
+    Called through `sequence_tiled_compute`, which takes dicts; see there for the contract.
     """
 
     @classmethod
     def apply(cls, fn, seqlen, shards, keys_to_shard, keys_to_pass, grad_requiring_tensor_key, compute_params,
               output_unshard_dimension, output_reduction, *args):
         params = trainable_params(compute_params, [fn, *args[len(keys_to_shard):]])
-        with gathered(params):
+        with zero3_whole(params):
             return super().apply(fn, seqlen, shards, keys_to_shard, keys_to_pass, grad_requiring_tensor_key,
                                  compute_params, output_unshard_dimension, output_reduction, *args, *params)
 
@@ -65,9 +59,17 @@ class SequenceTiledCompute(torch.autograd.Function):
 
         with torch.no_grad():
             outs = [fn(**_tile_kwargs(keys, args, ctx.n_shard, start, stop)) for start, stop in ctx.bounds]
-        ctx.stacked = outs[0].dim() == 0
-        out = torch.stack(outs) if ctx.stacked else torch.cat(outs, dim=output_unshard_dimension)
-        sizes = [1 if ctx.stacked else o.shape[output_unshard_dimension] for o in outs]
+        ctx.per_tile = outs[0].dim() == 0
+        if ctx.per_tile:  # one value per tile: [shards], reduced with each tile weighted by its length
+            ctx.weights = [(stop - start) / seqlen if output_reduction == "mean" else 1.0 for start, stop in ctx.bounds]
+            if output_reduction is None:
+                return torch.stack(outs)
+            total = torch.zeros_like(outs[0])
+            for out, weight, (start, stop) in zip(outs, ctx.weights, ctx.bounds):
+                total = total + (weight * out if stop > start else 0)  # a tile without tokens adds nothing
+            return total
+        out = torch.cat(outs, dim=output_unshard_dimension)  # [bs, sl, ...] (on output_unshard_dimension)
+        sizes = [o.shape[output_unshard_dimension] for o in outs]
         ctx.out_bounds = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
         ctx.numel = out.numel()
         if output_reduction == "mean":
@@ -78,23 +80,38 @@ class SequenceTiledCompute(torch.autograd.Function):
     def backward(ctx, grad_out):
         args = list(ctx.others)
         for i, t in zip(ctx.tensor_at, ctx.saved_tensors):
-            args[i] = t if t.is_leaf else t.detach()  # leaves (weights) still get .grad; no outer graph
+            args[i] = t if t.is_leaf else t.detach()  # leaves (weights) keep their edges; no outer graph
         grad_at = ctx.keys.index(ctx.grad_key)
         needs_grad = ctx.needs_input_grad[len(input_names(SequenceTiledCompute.forward)) + grad_at]
-        if ctx.reduction == "mean":
-            grad_out = grad_out / ctx.numel
+        source = args[grad_at].detach()  # [bs, sl, ...]
+        source_grad = torch.zeros_like(source) if needs_grad else None
+        owners = [ctx.fn, *args[ctx.n_shard:]]
+        grads = TileGrads("sequence_tiled_compute", ctx.params, owners)
+        with zero3_whole(ctx.params):
+            for i, (start, stop) in enumerate(ctx.bounds):
+                tile = source[:, start:stop].contiguous().requires_grad_(needs_grad)  # [bs, sl_t, ...]
+                kwargs = {**_tile_kwargs(ctx.keys, args, ctx.n_shard, start, stop), ctx.grad_key: tile}
+                with torch.enable_grad():
+                    out = ctx.fn(**kwargs)
+                adds_nothing = ctx.per_tile and ctx.reduction is not None and stop == start
+                tile_grad_out, weight = _tile_grad_out(ctx, grad_out, i, out)
+                tile_grad = grads.backprop(out, tile_grad_out, tile, weight, keep=not adds_nothing)
+                if tile_grad is not None:
+                    source_grad[:, start:stop] = tile_grad
+        grads.write_undeclared()
+        arg_grads = [source_grad if key == ctx.grad_key else None for key in ctx.keys]
+        return one_grad_per_input(SequenceTiledCompute.forward, varargs=arg_grads + grads.declared_grads())
 
-        def recompute(i, start, stop, tile):
-            kwargs = _tile_kwargs(ctx.keys, args, ctx.n_shard, start, stop)
-            out = ctx.fn(**{**kwargs, ctx.grad_key: tile})
-            if ctx.reduction is not None:
-                return out, grad_out.expand_as(out)
-            offset, size = ctx.out_bounds[i]
-            return out, grad_out[offset] if ctx.stacked else grad_out.narrow(ctx.dim, offset, size)
 
-        input_grad = recompute_tiles(ctx.params, ctx.bounds, args[grad_at], 1, needs_grad, recompute)
-        arg_grads = [input_grad if key == ctx.grad_key else None for key in ctx.keys]
-        return one_grad_per_input(SequenceTiledCompute.forward, varargs=arg_grads + param_grads(ctx))
+def _tile_grad_out(ctx, grad_out, i, out):
+    """(gradient, weight): what tile `i`'s output `out` receives of the incoming gradient, as a tensor
+    shaped like `out` and a float factor (kept apart so a bf16 gradient does not round it)."""
+    if ctx.per_tile:
+        return (grad_out[i], 1.0) if ctx.reduction is None else (grad_out.expand_as(out), ctx.weights[i])
+    if ctx.reduction is not None:
+        return grad_out.expand_as(out), 1 / ctx.numel if ctx.reduction == "mean" else 1.0
+    offset, size = ctx.out_bounds[i]
+    return grad_out.narrow(ctx.dim, offset, size), 1.0
 
 
 def _tile_kwargs(keys, args, n_shard, start, stop):
@@ -105,15 +122,26 @@ def _tile_kwargs(keys, args, n_shard, start, stop):
 
 def sequence_tiled_compute(fn, seqlen, shards, kwargs_to_shard, kwargs_to_pass, grad_requiring_tensor_key,
                            compute_params=None, output_unshard_dimension=1, output_reduction="mean"):
-    """Tiled `fn(**kwargs_to_shard, **kwargs_to_pass)`; see `SequenceTiledCompute`.
+    """`fn(**kwargs_to_shard, **kwargs_to_pass)` computed tile by tile along the sequence (DeepSpeed's call).
 
     `kwargs_to_shard` values are `[bs, seqlen, ...]` tensors split on dim 1 with `torch.tensor_split`
     sizes (unequal when seqlen % shards != 0; empty tiles when shards > seqlen, so `fn` must accept a
-    zero-length tile). `compute_params=None` means every trainable parameter of `fn` if it is a module
-    and of the modules in `kwargs_to_pass`, plus parameters passed there directly; otherwise list the parameters `fn` uses, and only those:
-    they become inputs of the Function, which is how ZeRO reduces each gradient once (plain torch also
-    accumulates unlisted ones while the sharded input requires grad). With 0-dim tile outputs "mean"
-    averages the tile values with equal weight; for a token-mean loss use `TiledFusedLogitsLoss`.
+    zero-length tile). Only the tensor under `grad_requiring_tensor_key` gets an input gradient; other
+    non-leaf tensors are constants.
+
+    `fn` returns per tile either a tensor, concatenated on `output_unshard_dimension` (then "mean" and
+    "sum" reduce over all its elements), or a 0-dim value such as a tile's loss, stacked into
+    `[shards]` with `output_reduction=None`; "sum" adds the values, and "mean" weights each by its
+    tile's share of the sequence, `sl_t / seqlen`: DeepSpeed's mean of the tile values when the tiles
+    are equal, the exact token mean of a per-token mean when they are not (DeepSpeed's is biased
+    there). A tile without tokens adds nothing to "mean" or "sum".
+
+    `compute_params` lists the trainable parameters `fn` uses (required by DeepSpeed under ZeRO); None
+    means every trainable parameter of `fn` if it is a module and of the modules in `kwargs_to_pass`,
+    plus parameters passed there directly. Declared parameters are inputs of the Function, and their
+    gradients, summed over the backward's tile recomputes, leave it once, so ZeRO reduces each once
+    (see `tiles`). A trainable parameter `fn` uses that is not declared gets its gradient in `.grad`
+    directly, which is refused under DeepSpeed ZeRO.
     """
     return SequenceTiledCompute.apply(fn, seqlen, shards, list(kwargs_to_shard), list(kwargs_to_pass),
                                       grad_requiring_tensor_key, compute_params, output_unshard_dimension,

@@ -1,10 +1,13 @@
 """TiledMLP: an MLP over sequence tiles, so its ``[bs, sl, intermediate]`` activations exist one tile at a
-time (ALST's TiledMLP); backward recomputes each tile."""
+time (ALST's TiledMLP); backward recomputes each tile, the price of never holding them all.
+
+Dimensions: bs batch, sl sequence, sl_t one tile of it, h hidden, h_out the MLP's output width.
+"""
 
 import torch
 
-from .tiles import agree_on_shards, auto_mlp_shards, gathered, one_grad_per_input, param_grads, positive_int, \
-    recompute_tiles, tile_bounds, trainable_params
+from .tiles import TileGrads, agree_on_shards, auto_mlp_shards, one_grad_per_input, positive_int, tile_bounds, \
+    trainable_params, zero3_whole
 
 __all__ = ["TiledMLP"]
 
@@ -13,21 +16,26 @@ class TiledMLP(torch.autograd.Function):
     """`fn(module, x_tile) -> y_tile` over sequence tiles of `x` (`[bs, sl, h]` or `[sl, h]`, tiled on dim -2).
 
     Output is the tiles concatenated on dim -2. `shards` is an int >= 1 or "auto"
-    (`agree_on_shards(auto_mlp_shards(sl, h))`). `compute_params=None` means every trainable
-    parameter of `module`. Tiles are contiguous, so `fn` may `.view` them.
+    (`agree_on_shards(auto_mlp_shards(sl, h))`); tiles have `torch.tensor_split`'s sizes. Tiles are
+    contiguous, so `fn` may `.view` them. `compute_params` lists the trainable parameters `fn` uses
+    (DeepSpeed's call: `TiledMLP.apply(fn, self, x, shards, [self.up_proj.weight, ...])`, also from
+    inside the MLP's own hooked `forward` under ZeRO-3); None means every trainable parameter of
+    `module`. Their gradients leave the Function once per backward (see `tiles`); a trainable
+    parameter `fn` uses that is not listed gets its gradient in `.grad` directly, which is refused
+    under DeepSpeed ZeRO.
     """
 
     @classmethod
     def apply(cls, fn, module, x, shards, compute_params):
         params = trainable_params(compute_params, [module])
-        with gathered(params):
+        with zero3_whole(params):
             return super().apply(fn, module, x, shards, compute_params, *params)
 
     @staticmethod
     def forward(ctx, fn, module, x, shards, compute_params, *params):
-        if x.dim() < 2:
-            raise ValueError(f"TiledMLP: x must be [bs, sl, h] or [sl, h], got shape {tuple(x.shape)}; pass the "
-                             "hidden states with their sequence dim")
+        if not torch.is_tensor(x) or x.dim() < 2:
+            raise ValueError(f"TiledMLP: x must be [bs, sl, h] or [sl, h], got shape {tuple(getattr(x, 'shape', ()))}; "
+                             "pass the hidden states with their sequence dim")
         if shards == "auto":
             shards = agree_on_shards(auto_mlp_shards(max(1, x.shape[-2]), x.shape[-1]))
         ctx.fn, ctx.module, ctx.bounds = fn, module, tile_bounds(x.shape[-2], positive_int(shards, "shards"))
@@ -49,10 +57,18 @@ class TiledMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x,) = ctx.saved_tensors
-
-        def recompute(i, start, stop, tile):  # tile: [bs, sl_t, h]
-            return ctx.fn(ctx.module, tile), grad_out[..., start:stop, :]
-
-        x_grad = recompute_tiles(ctx.params, ctx.bounds, x, -2, ctx.needs_input_grad[2], recompute)
-        return one_grad_per_input(TiledMLP.forward, x=x_grad, varargs=param_grads(ctx))
+        (x,) = ctx.saved_tensors  # [bs, sl, h]
+        x = x.detach()
+        needs_x = ctx.needs_input_grad[2]
+        x_grad = torch.zeros_like(x) if needs_x else None
+        grads = TileGrads("TiledMLP", ctx.params, [ctx.module])
+        with zero3_whole(ctx.params):
+            for start, stop in ctx.bounds:
+                tile = x[..., start:stop, :].contiguous().requires_grad_(needs_x)  # [bs, sl_t, h]
+                with torch.enable_grad():
+                    y = ctx.fn(ctx.module, tile)  # [bs, sl_t, h_out]
+                tile_grad = grads.backprop(y, grad_out[..., start:stop, :], tile)
+                if tile_grad is not None:
+                    x_grad[..., start:stop, :] = tile_grad
+        grads.write_undeclared()
+        return one_grad_per_input(TiledMLP.forward, x=x_grad, varargs=grads.declared_grads())

@@ -1,12 +1,28 @@
-"""What the tiled Functions share: tile counts, tile bounds, and the backward that recomputes tiles.
+"""What the tiled Functions share: tile counts, tile bounds, ZeRO-3 gathering, and the per-tile backward.
 
-Under DeepSpeed ZeRO-3 the parameters used by the tiles are gathered once for the whole backward.
-While the tiles run, ``ds_grad_is_ready`` is False, so ZeRO's per-parameter gradient hook (ZeRO-1/2/3)
-lets ``param.grad`` accumulate every tile; the parameters are inputs of the autograd Function, so their
-own AccumulateGrad runs once afterwards in the outer backward and fires the hook once, after all uses
-of the parameter (a tied lm_head/embedding weight included). Without DeepSpeed both are no-ops. Under
-ZeRO-3 every rank must run the same number of tiles (parameter gathers are collective): resolve
-``shards`` with :func:`agree_on_shards`.
+How a parameter's gradient gets out of the tiles. A tiled Function runs `fn` once per tile, so a
+parameter used by `fn` collects one gradient per tile. Writing each into ``param.grad`` as it comes
+(plain ``backward`` per tile) would fire the parameter's post-accumulate-grad hook once per tile, and
+DeepSpeed ZeRO (stages 1-3) reduces a gradient from that hook: it would be reduced per tile, before
+the other uses of the parameter (an lm_head tied to the embedding) have added theirs. So the
+parameters a Function declares (``compute_params``, or with None every trainable parameter of its
+module) are inputs of the autograd Function; :class:`TileGrads` takes each tile's gradients with
+``torch.autograd.grad`` (which accumulates nothing and fires no hook) and sums them, and the
+Function's backward returns the sums as those inputs' gradients. Autograd's own AccumulateGrad then
+adds them to every other use of the parameter and fires ZeRO's hook once per backward, after the
+last use. No ``ds_grad_is_ready`` switching is needed, and none is done.
+
+A trainable tensor `fn` uses without declaring it gets its gradient written into ``.grad`` directly,
+which is exact in plain PyTorch; if the tensor has gradient hooks (ZeRO registers one on every
+trainable parameter) that write would bypass them, so that is refused with an error naming it.
+
+ZeRO-3: a declared parameter must be whole while the Function records its inputs (autograd checks a
+returned gradient against the shape it saw) and while the tiles run. :func:`zero3_whole` gathers only
+the declared parameters ZeRO has not made available itself and partitions only those afterwards;
+the ones ZeRO's module hooks fetched (the enclosing module's, when the Function runs inside a hooked
+``forward``) stay under ZeRO's control. Each tile's submodule calls still go through ZeRO's hooks,
+which may gather collectively, so every rank must run the same number of tiles: resolve ``shards``
+with :func:`agree_on_shards`; tiles are never skipped, empty ones included.
 
 Dimensions: bs batch, sl sequence, sl_t one tile of the sequence, h hidden, v vocab,
 n = bs*sl flattened tokens, n_t one tile of them.
@@ -24,13 +40,12 @@ from torch import nn
 from ..distributed.collectives import all_reduce_max
 
 __all__ = ["DEFAULT_LOGITS_BUDGET_BYTES", "auto_mlp_shards", "auto_loss_shards", "resolve_loss_shards",
-           "agree_on_shards", "weight_rows", "tile_bounds", "trainable_params", "param_grads", "recompute_tiles", "gathered",
+           "agree_on_shards", "weight_rows", "tile_bounds", "trainable_params", "zero3_whole", "zero3_whole_at_accumulation", "TileGrads",
            "one_grad_per_input", "positive_int"]
 
 # 128 MiB of logits per tile (2**25 fp32 values): 1024 tokens at a 32K vocab, 256 at 128K, still a
 # large matmul on a GPU, while the tile's logits, log-softmax and grad stay small beside the activations
 DEFAULT_LOGITS_BUDGET_BYTES = 1 << 27
-_MISSING = object()
 
 
 def auto_mlp_shards(seqlen, hidden_size):
@@ -87,65 +102,195 @@ def tile_bounds(length, shards):
 
 
 def trainable_params(compute_params, owners):
-    """The parameters ZeRO must coordinate: `compute_params`, or with None every trainable parameter of
-    the modules among `owners` (LoRA adapters included, frozen base weights excluded)."""
+    """The parameters a tiled Function declares: `compute_params`, or with None every trainable parameter
+    of the modules among `owners` (LoRA adapters included, frozen base weights excluded), plus
+    parameters among `owners` themselves. Frozen ones are dropped, duplicates (tied weights) kept once."""
     if compute_params is None:
         compute_params = [p for o in owners if isinstance(o, nn.Module) for p in o.parameters()]
         compute_params += [o for o in owners if isinstance(o, nn.Parameter)]
+    elif torch.is_tensor(compute_params) or not all(torch.is_tensor(p) for p in compute_params):
+        raise ValueError(f"compute_params must be a list of the parameters fn uses, or None, got "
+                         f"{_describe(compute_params)}; pass e.g. [module.weight]")
     unique = {id(p): p for p in compute_params if p.requires_grad}
     return list(unique.values())
 
 
-def param_grads(ctx):
-    """None for every parameter input: the recompute has already accumulated into `param.grad`, and
-    the parameter's own AccumulateGrad still runs once in the outer backward, firing ZeRO's hook."""
-    return [None for _ in ctx.params]
+@contextlib.contextmanager
+def zero3_whole(params):
+    """Keep the ZeRO-3 partitioned `params` whole for the block (a no-op for other tensors).
 
-
-def recompute_tiles(params, bounds, source, dim, needs_grad, recompute):
-    """The backward shared by the three Functions: per tile of `source` (split on `dim`), recompute
-    `(out, out_grad) = recompute(i, start, stop, tile)` with grad enabled, backpropagate it, and copy
-    the tile's input gradient into one preallocated buffer (returned; None if not `needs_grad`).
-
-    ZeRO-3 `params` are gathered once for all tiles, and `ds_grad_is_ready` is False during the tiles
-    so ZeRO's per-parameter hook lets `param.grad` accumulate them. The flags are restored before the
-    Function returns; the hook then fires once, from the parameter's AccumulateGrad in the outer
-    backward (the parameters are Function inputs), after every use of the parameter, so a weight
-    also used outside the tiles (an lm_head tied to the embedding) is reduced once, in full.
+    Gathers only the parameters that are NOT_AVAILABLE, sorted by ZeRO id so every rank issues the same
+    collective; on exit partitions only those, and only if they are still whole and no module is using
+    them. Parameters ZeRO's hooks already made available (those of the module whose ``forward`` calls
+    the Function, external parameters it reads) are never touched: partitioning one of those is what
+    ``deepspeed.zero.GatheredParameters`` does on exit, and what fails with "Cannot free a ZeRO-3
+    parameter while it is still active in submodules".
     """
-    source = source.detach()
-    source_grad = torch.zeros_like(source) if needs_grad else None
-    before = [(p, p.__dict__.get("ds_grad_is_ready", _MISSING)) for p in params]
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        yield
+        return
+    import deepspeed  # imported already: ZeRO-3 parameters exist
+
+    status = deepspeed.zero.ZeroParamStatus
+    missing = sorted((p for p in partitioned if p.ds_status == status.NOT_AVAILABLE), key=lambda p: p.ds_id)
+    if missing:
+        missing[0].all_gather(param_list=missing)
     try:
-        for p in params:
-            p.ds_grad_is_ready = False
-        with gathered(params):
-            for i, (start, stop) in enumerate(bounds):
-                tile = source.narrow(dim, start, stop - start).contiguous().requires_grad_(needs_grad)
-                with torch.enable_grad():
-                    out, out_grad = recompute(i, start, stop, tile)
-                if out.requires_grad:  # a tile may depend on nothing trainable
-                    torch.autograd.backward(out, out_grad)
-                if needs_grad and tile.grad is not None:
-                    source_grad.narrow(dim, start, stop - start).copy_(tile.grad)
+        yield
     finally:
-        for p, flag in before:
-            if flag is _MISSING:
-                p.__dict__.pop("ds_grad_is_ready", None)
-            else:
-                p.ds_grad_is_ready = flag
-    return source_grad
+        ours = [p for p in missing if p.ds_status == status.AVAILABLE and not p.ds_active_sub_modules]
+        if ours:
+            ours[0].partition(param_list=ours)
 
 
-def gathered(params):
-    """Gather the ZeRO-3 partitioned `params` for a whole pass over the tiles (once, not per tile).
-    In forward this also makes the parameters' autograd edges record their full shapes."""
-    zero3 = [p for p in params if hasattr(p, "ds_id")]
-    if not zero3:
-        return contextlib.nullcontext()
-    import deepspeed  # ZeRO-3 parameters exist only once deepspeed has been imported
+def zero3_whole_at_accumulation(params):
+    """Make each ZeRO-3 partitioned parameter of `params` whole just before autograd accumulates the
+    gradient a Function returned for it, and partition it again right after (only if it was
+    partitioned then, and no module is using it).
 
-    return deepspeed.zero.GatheredParameters(zero3)
+    Call from backward with the parameters that get a gradient. Autograd copies an incoming gradient
+    into ``.grad`` with the parameter's own layout, which a partitioned parameter (data ``[0]``) has
+    lost; ZeRO's module hooks keep a module's parameters whole across their accumulation, but nothing
+    does for a Function's parameter inputs. The accumulation may come long after this backward (a
+    weight tied to the embedding accumulates after the embedding's backward), so the parameter is
+    gathered then, not now, exactly as ZeRO's own hooks would have it.
+    """
+    for param in params:
+        if hasattr(param, "ds_id"):
+            _gather_around_accumulation(param)
+
+
+def _gather_around_accumulation(param):
+    import deepspeed  # imported already: ZeRO-3 parameters exist
+
+    status, handles, gathered = deepspeed.zero.ZeroParamStatus, [], []
+
+    def gather(grad_outputs):
+        if param.ds_status == status.NOT_AVAILABLE:
+            param.all_gather()
+            gathered.append(param)
+
+    def release(_):
+        for handle in handles:
+            handle.remove()
+        if gathered and param.ds_status == status.AVAILABLE and not param.ds_active_sub_modules:
+            param.partition()
+
+    handles.append(torch.autograd.graph.get_gradient_edge(param).node.register_prehook(gather))
+    handles.append(param.register_post_accumulate_grad_hook(release))
+
+
+class TileGrads:
+    """Backpropagates a tiled Function's tiles one at a time and sums the parameter gradients over them.
+
+    `declared` are the Function's parameter inputs: their sums become the Function's gradients for
+    those inputs (see the module docstring). Trainable leaves `fn` reaches that are not declared are
+    summed too and written into their ``.grad`` by :meth:`write_undeclared`; one with gradient hooks
+    (DeepSpeed ZeRO registers one on every trainable parameter) is refused, since writing ``.grad``
+    would bypass the hook. `owners` are the modules whose parameter names the error uses.
+    """
+
+    def __init__(self, who, declared, owners=()):
+        self.who, self.declared, self.owners = who, list(declared), owners
+        self.sums = [_Sum() for _ in self.declared]
+        self.undeclared = {}  # id -> (leaf, _Sum)
+
+    def backprop(self, out, grad_out, tile=None, weight=1.0, keep=True):
+        """Gradients of one tile's `out` given `grad_out`, times `weight`: parameter gradients are added
+        to the sums (when `keep`), and the gradient of the tile input `tile` is returned (None if not
+        needed). `weight` (a float) is applied to the gradients, not folded into `grad_out`, so it is
+        not rounded to a bf16 `grad_out`'s precision first (213/425 would become 0.5)."""
+        wants_tile = tile is not None and tile.requires_grad
+        if not out.requires_grad:
+            return None
+        known = {id(t) for t in self.declared} | ({id(tile)} if wants_tile else set())
+        others = [leaf for leaf in _leaves(out) if id(leaf) not in known]
+        for leaf in others:
+            self._check_undeclared(leaf)
+        inputs = ([tile] if wants_tile else []) + self.declared + others
+        grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
+        tile_grad = grads.pop(0) if wants_tile else None
+        if keep:
+            for total, grad in zip(self.sums, grads):
+                total.add(grad, weight)
+            for leaf, grad in zip(others, grads[len(self.declared):]):
+                self.undeclared.setdefault(id(leaf), (leaf, _Sum()))[1].add(grad, weight)
+        return tile_grad if tile_grad is None or weight == 1 else tile_grad * weight
+
+    def declared_grads(self, scale=None):
+        """What backward returns for the declared parameters: their summed gradients (None where a
+        parameter got none), times `scale`. Once only: the sums are handed over. ZeRO-3 parameters
+        are set up to be whole when autograd accumulates these (:func:`zero3_whole_at_accumulation`)."""
+        sums, self.sums = self.sums, [_Sum() for _ in self.declared]
+        grads = [total.take(scale) for total in sums]
+        zero3_whole_at_accumulation([p for p, grad in zip(self.declared, grads) if grad is not None])
+        return grads
+
+    def write_undeclared(self, scale=None):
+        """Add the summed gradients of the undeclared leaves, times `scale`, into their ``.grad``."""
+        for leaf, total in self.undeclared.values():
+            grad = total.take(scale)
+            if grad is not None:
+                leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+        self.undeclared = {}
+
+    def _check_undeclared(self, leaf):
+        if hasattr(leaf, "ds_id") or getattr(leaf, "_post_accumulate_grad_hooks", None):
+            names = {id(p): n for o in self.owners if isinstance(o, nn.Module) for n, p in o.named_parameters()}
+            name = names.get(id(leaf), "a tensor")
+            shape = tuple(getattr(leaf, "ds_shape", None) or leaf.shape)
+            raise ValueError(
+                f"{self.who}: fn uses {name} {list(shape)}, which requires grad and has gradient hooks "
+                "(DeepSpeed ZeRO registers one on every trainable parameter) but is not in compute_params; its "
+                "gradient must reach the hook once, after all its uses, which only a declared parameter's does: "
+                "add it to compute_params, or pass compute_params=None to declare every trainable parameter "
+                "of the module")
+
+
+class _Sum:
+    """A running weighted sum of gradients that never writes into a tensor autograd handed out (a
+    gradient may alias the incoming gradient or another output): the first is kept as is (or scaled
+    into a new tensor), and later ones are added into one new tensor in place."""
+
+    def __init__(self):
+        self.total, self.owned = None, False
+
+    def add(self, grad, weight=1.0):
+        if grad is None:
+            return
+        if self.total is None:
+            self.total, self.owned = (grad, False) if weight == 1 else (grad * weight, True)
+        elif self.owned:
+            self.total.add_(grad, alpha=weight)
+        else:
+            self.total, self.owned = torch.add(self.total, grad, alpha=weight), True
+
+    def take(self, scale=None):
+        total, owned = self.total, self.owned
+        self.total, self.owned = None, False
+        if total is None or scale is None:
+            return total
+        return total.mul_(scale) if owned else total * scale
+
+
+def _leaves(out):
+    """The tensors requiring grad that `out`'s autograd graph accumulates into (its AccumulateGrad nodes)."""
+    seen, stack, leaves = set(), [out.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if leaf is not None:
+            leaves.append(leaf)
+        stack.extend(child for child, _ in node.next_functions)
+    return leaves
+
+
+def _describe(value):
+    return f"a tensor of shape {tuple(value.shape)}" if torch.is_tensor(value) else repr(value)[:80]
 
 
 @functools.lru_cache(maxsize=None)

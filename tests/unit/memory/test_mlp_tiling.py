@@ -1,0 +1,115 @@
+"""tile_mlps runs a model's MLPs through TiledMLP without editing model code, and our own loss path
+(ds_ulysses.hf.tiled_causal_lm_loss) runs TiledFusedLogitsLoss with a summing fn and "sum"; both equal
+the untiled model in plain PyTorch. Tolerances: helpers.TOL.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds_ulysses.memory.mlp_tiling import tile_mlps, untile_mlps
+
+from .helpers import TOL, assert_close, grads_of, rel
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).float()
+
+
+def llama_batch(bs, seed):
+    ids = torch.randint(0, 128, (bs, 150), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[:, :20] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize("bs,shards", [(1, "auto"), (2, 3)])
+def test_tile_mlps_on_llama_equals_untiled(bs, shards):
+    model = tiny_llama()
+    ids, labels = llama_batch(bs, 2)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    want_loss = model(input_ids=ids, labels=labels).loss
+    want = grads_of(want_loss, params)
+
+    tile_calls = []
+    mlps = [m for n, m in model.named_modules() if n.endswith(".mlp")]
+    hooks = [m.down_proj.register_forward_hook(lambda m, i, o: tile_calls.append(o.shape[-2])) for m in mlps]
+    assert tile_mlps(model, shards=shards) == 2
+    assert tile_mlps(model, shards=shards) == 2  # idempotent
+    got_loss = model(input_ids=ids, labels=labels).loss
+    n_forward_calls = len(tile_calls)
+    got = grads_of(got_loss, params)
+
+    assert rel(got_loss, want_loss) <= TOL
+    assert_close(got, want, "grad")
+    n_tiles = 3  # "auto": ceil(150 / 64)
+    assert n_forward_calls == 2 * n_tiles  # each MLP ran tiled in forward...
+    assert len(tile_calls) == 2 * 2 * n_tiles  # ...and recomputed per tile in backward
+
+    assert untile_mlps(model) == 2
+    assert untile_mlps(model) == 0
+    assert all("forward" not in m.__dict__ for m in mlps)
+    tile_calls.clear()
+    assert rel(model(input_ids=ids, labels=labels).loss, want_loss) <= TOL
+    assert len(tile_calls) == 2
+    for h in hooks:
+        h.remove()
+
+
+def test_tile_mlps_handles_any_mlp_module_and_only_the_given_model():
+    torch.manual_seed(0)
+
+    def block():
+        layer = nn.Module()
+        layer.mlp = nn.Sequential(nn.Linear(8, 24), nn.GELU(), nn.Linear(24, 8))  # GPT-style, not gate/up/down
+        return layer
+
+    model, other = nn.ModuleList([block(), block()]), nn.ModuleList([block()])
+    x = torch.randn(2, 5, 8, requires_grad=True)
+
+    def run(m):
+        h = x
+        for layer in m:
+            h = h + layer.mlp(h)
+        return grads_of(h.pow(2).sum(), [x, *m.parameters()])
+
+    want = run(model)
+    assert tile_mlps(model, shards=4) == 2
+    tiles = []
+    model[0].mlp[0].register_forward_hook(lambda m, i, o: tiles.append(o.shape[-2]))
+    assert_close(run(model), want, "grad")
+    assert tiles == [2, 1, 1, 1] * 2  # forward, then the recompute in backward
+    assert all("forward" not in layer.mlp.__dict__ for layer in other)
+    with pytest.raises(ValueError, match="shards must be a positive int, got -1"):
+        tile_mlps(model, shards=-1)
+
+
+@pytest.mark.parametrize("shards,head_calls", [(1, 1), ("auto", 1), (3, 3)])
+def test_tiled_causal_lm_loss_equals_untiled_without_recomputing_lm_head(shards, head_calls):
+    from ds_ulysses import enable_sp_loss, tiled_causal_lm_loss
+
+    model = tiny_llama()
+    ids, labels = llama_batch(2, 3)
+    params = [p for p in model.parameters() if p.requires_grad]
+    want_loss = model(input_ids=ids, labels=labels).loss
+    want = grads_of(0.5 * want_loss, params)
+
+    enable_sp_loss(model, loss_fn=tiled_causal_lm_loss(shards))
+    calls = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: calls.append(o.shape[0]))
+    got_loss = model(input_ids=ids, shift_labels=F.pad(labels, (0, 1), value=-100)[:, 1:]).loss
+    got = grads_of(0.5 * got_loss, params)
+    hook.remove()
+
+    assert rel(got_loss, want_loss) <= TOL
+    assert_close(got, want, "grad")
+    # one untiled lm_head call when tiling would save nothing ("auto": 300 x 128 logits are far
+    # below a tile's budget); otherwise one per tile, all in forward: backward recomputes nothing
+    assert len(calls) == head_calls

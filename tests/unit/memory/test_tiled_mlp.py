@@ -1,0 +1,141 @@
+"""TiledMLP equals the untiled MLP in plain PyTorch (values and every gradient), and DeepSpeed's TiledMLP
+on the same inputs; its parameter gradients reach autograd once per backward. Tolerances: helpers.TOL.
+"""
+
+import pytest
+import torch
+from deepspeed.runtime.sequence_parallel import ulysses_sp as deepspeed_alst
+from torch import nn
+
+from ds_ulysses.memory import TiledMLP
+
+from .helpers import SPLITS, TOL, GatedMLP, LoraLinear, assert_close, count_accumulations, grads_of, mlp_fn, rel, \
+    tile_sizes
+
+
+@pytest.mark.parametrize("bs", [1, 2])
+@pytest.mark.parametrize("sl,shards", SPLITS)
+def test_matches_untiled(bs, sl, shards):
+    torch.manual_seed(0)
+    mlp = GatedMLP()
+    x = torch.randn(bs, sl, 16, requires_grad=True)
+    w = torch.randn(bs, sl, 16)  # a non-uniform upstream gradient
+    inputs = [x, *mlp.parameters()]
+
+    want_y = mlp(x)
+    want = grads_of((want_y * w).sum(), inputs)
+    got_y = TiledMLP.apply(mlp_fn, mlp, x, shards, None)
+    got = grads_of((got_y * w).sum(), inputs)
+
+    assert got_y.shape == want_y.shape
+    assert rel(got_y, want_y) <= TOL
+    assert_close(got, want, "grad")
+
+
+class DeepSpeedStyleMLP(GatedMLP):
+    """TiledMLP called from the MLP's own forward with explicit compute_params, DeepSpeed's pattern."""
+
+    def __init__(self, tiled_mlp, shards):
+        super().__init__()
+        self.tiled_mlp, self.shards = tiled_mlp, shards
+
+    def forward(self, x):
+        params = [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight]
+        return self.tiled_mlp.apply(GatedMLP.forward, self, x, self.shards, params)
+
+
+@pytest.mark.parametrize("bs,sl,shards", [(1, 125, 4), (2, 125, 4), (2, 8, 2)])
+def test_matches_deepspeed_called_from_the_mlp_forward(bs, sl, shards):
+    torch.manual_seed(0)
+    ours, theirs = DeepSpeedStyleMLP(TiledMLP, shards), DeepSpeedStyleMLP(deepspeed_alst.TiledMLP, shards)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(bs, sl, 16, requires_grad=True)
+    w = torch.randn(bs, sl, 16)
+    want_y = theirs(x)
+    want = grads_of(0.5 * (want_y * w).sum(), [x, *theirs.parameters()])
+    got_y = ours(x)
+    got = grads_of(0.5 * (got_y * w).sum(), [x, *ours.parameters()])
+    assert rel(got_y, want_y) <= TOL
+    assert_close(got, want, "grad")
+
+
+@pytest.mark.parametrize("sl,shards", SPLITS + [(7, 4)])
+def test_tile_sizes_follow_tensor_split(sl, shards):
+    seen = []
+    TiledMLP.apply(lambda m, t: seen.append(t.shape[-2]) or t, None, torch.randn(2, sl, 3), shards, [])
+    assert seen == tile_sizes(sl, shards)
+
+
+def test_2d_input_and_stacked_mlps():
+    torch.manual_seed(0)
+    first, second = GatedMLP(), GatedMLP()
+    x = torch.randn(7, 16, requires_grad=True)  # [sl, h], as MoE experts see it
+    inputs = [x, *first.parameters(), *second.parameters()]
+
+    want_y = second(first(x))
+    want = grads_of(want_y.pow(2).sum(), inputs)
+    got_y = TiledMLP.apply(mlp_fn, second, TiledMLP.apply(mlp_fn, first, x, 3, None), 2, None)
+    got = grads_of(got_y.pow(2).sum(), inputs)
+
+    assert rel(got_y, want_y) <= TOL
+    assert_close(got, want, "grad")
+
+
+def test_input_without_grad_still_trains_params():
+    torch.manual_seed(0)
+    mlp = GatedMLP()
+    x = torch.randn(2, 5, 16)
+    want = grads_of(mlp(x).pow(2).sum(), list(mlp.parameters()))
+    got = grads_of(TiledMLP.apply(mlp_fn, mlp, x, 2, None).pow(2).sum(), list(mlp.parameters()))
+    assert_close(got, want, "param grad")
+
+
+def test_lora_params_found_and_accumulated_once_from_the_outer_backward():
+    torch.manual_seed(0)
+    module = LoraLinear()
+    x = torch.randn(2, 7, 16, requires_grad=True)
+    trainable = [module.lora_a, module.lora_b]
+    want = grads_of(module(x).pow(2).sum(), [x, *trainable])
+    counts, handles = count_accumulations(trainable)
+    got = grads_of(TiledMLP.apply(mlp_fn, module, x, 3, None).pow(2).sum(), [x, *trainable])
+    for handle in handles:
+        handle.remove()
+    assert all(c == [1] for c in counts.values())  # not once per tile: ZeRO reduces from this hook
+    assert module.base.weight.grad is None
+    assert not hasattr(module.lora_a, "ds_grad_is_ready")
+    assert_close(got, want, "grad")
+
+
+def test_undeclared_parameters_get_exact_gradients_without_hooks_and_are_refused_with_them():
+    torch.manual_seed(0)
+    mlp = GatedMLP()
+    x = torch.randn(2, 7, 16, requires_grad=True)
+    inputs = [x, *mlp.parameters()]
+    want = grads_of(mlp(x).pow(2).sum(), inputs)
+    got = grads_of(TiledMLP.apply(mlp_fn, mlp, x, 3, [mlp.up_proj.weight]).pow(2).sum(), inputs)
+    assert_close(got, want, "grad")
+
+    _, handles = count_accumulations([mlp.gate_proj.weight])  # stands in for ZeRO's hook
+    y = TiledMLP.apply(mlp_fn, mlp, x, 3, [mlp.up_proj.weight, mlp.down_proj.weight])
+    with pytest.raises(ValueError, match=r"TiledMLP: fn uses gate_proj.weight \[40, 16\], which requires grad"):
+        y.sum().backward()
+    handles[0].remove()
+
+
+def test_auto_shards_and_bad_inputs():
+    torch.manual_seed(0)
+    mlp = GatedMLP(h=4, inter=8)
+    x = torch.randn(1, 9, 4, requires_grad=True)  # auto: ceil(9 / 4) = 3 tiles
+    calls = []
+    y = TiledMLP.apply(lambda m, t: calls.append(t.shape[-2]) or m(t), mlp, x, "auto", None)
+    assert calls == [3, 3, 3]
+    assert rel(y, mlp(x)) <= TOL
+    with pytest.raises(ValueError, match="shards must be a positive int, got 0"):
+        TiledMLP.apply(mlp_fn, mlp, x, 0, None)
+    with pytest.raises(ValueError, match=r"x must be \[bs, sl, h\] or \[sl, h\], got shape \(4,\)"):
+        TiledMLP.apply(mlp_fn, mlp, torch.randn(4), 2, None)
+    with pytest.raises(ValueError, match=r"fn must map a \[\.\.\., 3, h\] tile to one tensor \[\.\.\., 3, h_out\], "
+                                         r"got tuple"):
+        TiledMLP.apply(lambda m, t: (m(t), None), mlp, x, 3, None)
+    with pytest.raises(ValueError, match="compute_params must be a list of the parameters fn uses, or None"):
+        TiledMLP.apply(mlp_fn, mlp, x, 3, [nn.Linear(2, 2)])
