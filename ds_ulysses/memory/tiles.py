@@ -40,8 +40,8 @@ from torch import nn
 from ..distributed.collectives import all_reduce_max
 
 __all__ = ["DEFAULT_LOGITS_BUDGET_BYTES", "auto_mlp_shards", "auto_loss_shards", "resolve_loss_shards",
-           "agree_on_shards", "weight_rows", "tile_bounds", "trainable_params", "zero3_whole", "zero3_whole_at_accumulation", "TileGrads",
-           "one_grad_per_input", "positive_int"]
+           "agree_on_shards", "weight_rows", "tile_bounds", "trainable_params", "zero3_whole",
+           "zero3_whole_at_accumulation", "TileGrads", "one_grad_per_input", "positive_int"]
 
 # 128 MiB of logits per tile (2**25 fp32 values): 1024 tokens at a 32K vocab, 256 at 128K, still a
 # large matmul on a GPU, while the tile's logits, log-softmax and grad stay small beside the activations
