@@ -29,7 +29,7 @@ from ..config import attn_implementations
 from ..distributed import HeadLayout, HeadsToSeq, SeqToHeads
 from ..distributed.collectives import collective_device
 from ..distributed.watch import GroupWatch
-from .forward_check import ForwardFacts, PositionCheck, Problem, check_forward, check_positions
+from .forward_check import ForwardFacts, PositionCheck, Problem, ShardCheck, check_forward, check_positions
 from .heads import HeadPlan, plan_heads
 from .packed import find_documents, packed_attention
 
