@@ -2,62 +2,97 @@
 
 Transformers computes a loss only from ``labels``; the adapter's batches carry pre-shifted, sharded
 ``shift_labels`` instead. :func:`enable_sp_loss` wraps the model's ``forward`` so such a batch gets
-:func:`~ds_ulysses.sp.loss.sp_loss_from_logits` (or a ``loss_fn`` such as
-:func:`tiled_causal_lm_loss`, which never materialises the whole logits).
+:func:`~ds_ulysses.sp.loss.sp_loss_from_logits` on the model's own logits (or a ``loss_fn`` such as
+:func:`tiled_causal_lm_loss`, which never materialises the whole logits and applies the model's own
+logits transform, :mod:`ds_ulysses.hf.head`). Whatever the model adds to its loss beyond the token
+cross-entropy (a MoE router's load-balancing loss) is refused by name: the SP loss would drop it.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch.nn.functional as F
 
 from ..constants import IGNORE_INDEX
 from ..distributed.watch import GroupWatch
 from ..memory.tiled_loss import TiledFusedLogitsLoss
-from ..memory.tiles import resolve_loss_shards
+from ..memory.tiles import resolve_loss_shards, zero3_whole
 from ..patching import PATCHES
 from ..sp.loss import GlobalTokenMean, TokenCounts, mask_bad_labels, sp_loss_from_logits
-from .model_facts import vocab_size
+from .head import logits_transform
+from .model_facts import text_config, vocab_size
+from .servable import decoder_of
 
-__all__ = ["enable_sp_loss", "disable_sp_loss", "tiled_causal_lm_loss"]
+__all__ = ["enable_sp_loss", "disable_sp_loss", "tiled_causal_lm_loss", "TiledCausalLMLoss", "check_loss_complete"]
 
 _TAG = "sp_loss"
 
 
-def _token_ce_sum(head, x, y):
-    return F.cross_entropy(head(x).float(), y, ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def tiled_causal_lm_loss(shards="auto", watch: GroupWatch | None = None):
+class TiledCausalLMLoss:
     """A ``loss_fn`` for :func:`enable_sp_loss`: decoder -> hidden states -> TiledFusedLogitsLoss.
 
-    The ``[bs sl_l V]`` logits are never materialised whole: lm_head and cross-entropy run one tile
-    at a time (forward and recompute in backward), which is what takes ALST from 32K to 160K tokens
-    on one GPU. When the tile count comes to 1 (``"auto"`` with logits within one tile's budget, or
-    ``shards=1``) tiling would save nothing and still pay the recompute, so the loss runs untiled.
-    The returned output has ``loss`` and no ``logits``. For heads that are a plain linear layer (no
-    logit soft-capping or scaling after lm_head). ``watch`` (the mesh's ``sp_watch``) names the
-    group and step if the loss all_reduce fails.
+    The ``[bs sl_l V]`` logits are never materialised whole: lm_head, the model's own logits transform
+    and cross-entropy run one tile at a time, which is what takes ALST from 32K to 160K tokens on one
+    GPU. When the tile count comes to 1 (``"auto"`` with logits within one tile's budget, or
+    ``shards=1``) tiling would save nothing, so the loss runs untiled. The returned output has
+    ``loss`` and no ``logits``. :meth:`prepare` measures the model's logits transform (and refuses a
+    model whose head it cannot reproduce); :func:`enable_sp_loss` calls it at setup. ``watch`` (the
+    mesh's ``sp_watch``) names the group and step if the loss all_reduce fails.
     """
 
-    def loss_fn(model, args, kwargs, shift_labels, group, grad_scale):
+    def __init__(self, shards="auto", watch: GroupWatch | None = None):
+        self.shards, self.watch = shards, watch
+        self._transforms: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def prepare(self, model) -> None:
+        if model not in self._transforms:
+            self._transforms[model] = (logits_transform(model, zero3_whole),)
+
+    def __call__(self, model, args, kwargs, shift_labels, group, grad_scale):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
+        self.prepare(model)
+        (transform,) = self._transforms[model]
         kwargs = {k: v for k, v in kwargs.items() if k not in ("labels", "logits_to_keep")}
-        hidden = model.get_decoder()(*args, **kwargs).last_hidden_state  # [bs sl_l h]
+        hidden = decoder_of(model)(*args, **kwargs).last_hidden_state  # [bs sl_l h]
         head = model.get_output_embeddings()
         vocab = vocab_size(model, output=True)
         labels, bad = mask_bad_labels(shift_labels.to(hidden.device), vocab)
-        tiles = resolve_loss_shards(shards, labels.numel(), vocab)  # here, to know whether tiling pays
+        tiles = resolve_loss_shards(self.shards, labels.numel(), vocab)  # here, to know whether tiling pays
+        token_ce_sum = functools.partial(_token_ce_sum, transform)
         if tiles == 1:
-            local_sum = _token_ce_sum(head, hidden.flatten(0, -2), labels.flatten())  # [n h], [n]
+            local_sum = token_ce_sum(head, hidden.flatten(0, -2), labels.flatten())  # [n h], [n]
         else:
-            local_sum = TiledFusedLogitsLoss.apply(_token_ce_sum, head, hidden, labels, None, tiles, None, "sum")
-        counts = TokenCounts(int((labels != IGNORE_INDEX).sum()), int(bad), group, grad_scale, vocab, watch)
+            local_sum = TiledFusedLogitsLoss.apply(token_ce_sum, head, hidden, labels, None, tiles, None, "sum")
+        counts = TokenCounts(int((labels != IGNORE_INDEX).sum()), int(bad), group, grad_scale, vocab, self.watch)
         return CausalLMOutputWithPast(loss=GlobalTokenMean.apply(local_sum.reshape(()), counts))
 
-    return loss_fn
+
+def _token_ce_sum(transform, head, x, y):
+    """Summed cross-entropy of one tile: ``[n_t h]`` hidden states, ``[n_t]`` labels."""
+    logits = head(x)  # [n_t V]
+    if transform is not None:
+        logits = transform(logits)
+    return F.cross_entropy(logits.float(), y, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def tiled_causal_lm_loss(shards="auto", watch: GroupWatch | None = None) -> TiledCausalLMLoss:
+    """The tiled SP loss (see :class:`TiledCausalLMLoss`)."""
+    return TiledCausalLMLoss(shards, watch)
+
+
+def check_loss_complete(model) -> None:
+    """Refuse a model whose own training loss adds a term the SP loss would drop."""
+    text = text_config(model)
+    if getattr(text, "output_router_logits", False):
+        raise ValueError(
+            f"the SP loss cannot serve {getattr(text, 'model_type', type(model).__name__)!r} with "
+            "output_router_logits=True: the model adds a router load-balancing loss computed from the routing "
+            "statistics of the whole sequence, which each SP rank sees only a shard of, and the SP loss (the "
+            "token cross-entropy) would drop it; fix: set config.output_router_logits = False (no auxiliary "
+            "loss), or train this model without sequence parallelism")
 
 
 def enable_sp_loss(model, group=None, grad_scale: float = 1.0, loss_fn=None, watch: GroupWatch | None = None) -> None:
@@ -69,6 +104,9 @@ def enable_sp_loss(model, group=None, grad_scale: float = 1.0, loss_fn=None, wat
     Idempotent: enabling again updates group and scale. Undone by :func:`disable_sp_loss` or
     ``ds_ulysses.uninstall``.
     """
+    check_loss_complete(model)
+    if loss_fn is not None and hasattr(loss_fn, "prepare"):
+        loss_fn.prepare(model)  # a loss_fn that must know the model learns it now, so refusals come at setup
     state = model.__dict__.get("_ulysses_loss")
     if state is not None:
         state.update(group=group, grad_scale=grad_scale, loss_fn=loss_fn, watch=watch)
@@ -79,8 +117,9 @@ def enable_sp_loss(model, group=None, grad_scale: float = 1.0, loss_fn=None, wat
     @functools.wraps(original)
     def forward(*args, **kwargs):
         shift_labels = kwargs.pop("shift_labels", None)
-        if shift_labels is None or kwargs.get("labels") is not None:
+        if shift_labels is None:
             return original(*args, **kwargs)
+        kwargs.pop("labels", None)  # shift_labels are these labels already shifted (and sharded): they win
         if state["loss_fn"] is not None:
             return state["loss_fn"](model, args, kwargs, shift_labels, state["group"], state["grad_scale"])
         outputs = original(*args, **kwargs)

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 from ..memory.tiles import weight_rows
 
-__all__ = ["text_config", "vocab_size", "layout_facts"]
+__all__ = ["text_config", "config_value", "vocab_size", "layout_facts"]
+
+
+def config_value(config, name: str, default=None):
+    """``config.name``, also for a per-layer attribute of a heterogeneous config (Gemma 4's head_dim),
+    which Transformers refuses to read globally: its global (default) value is returned then. SP
+    needs such numbers only for checks and reports; each layer's real head layout comes from the
+    tensors its attention call brings."""
+    from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
+
+    try:
+        return getattr(config, name, default)
+    except AmbiguousGlobalPerLayerAttributeError:
+        return vars(config).get(name, default)
 
 
 def text_config(model_or_config):
@@ -22,7 +35,7 @@ def vocab_size(model, output: bool = False) -> int | None:
     if rows is None and layer is not None and getattr(layer, "weight", None) is not None:
         rows = weight_rows(layer)
     if rows is None:
-        rows = getattr(text_config(model), "vocab_size", None)
+        rows = config_value(text_config(model), "vocab_size")
     return rows if isinstance(rows, int) else None
 
 
@@ -30,4 +43,4 @@ def layout_facts(model) -> dict:
     """The model facts SP peers must agree on (head layout, depth, vocabulary)."""
     text = text_config(model)
     names = ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "num_hidden_layers")
-    return {**{n: getattr(text, n, None) for n in names}, "vocab": vocab_size(model)}
+    return {**{n: config_value(text, n) for n in names}, "vocab": vocab_size(model)}

@@ -38,7 +38,7 @@ from ..patching import PATCHES
 from ..sp.attention import HUB_KERNEL, UlyssesAttention, check_core_attention
 from ..sp.forward_check import check_positions
 from ..sp.shards import SHARDS
-from .model_facts import text_config
+from .model_facts import config_value, text_config
 from .servable import check_model_servable, decoder_of, sliding_layers
 
 __all__ = ["UlyssesSPAttentionHF", "register_with_transformers", "unregister_from_transformers", "sp_attention_of",
@@ -119,11 +119,21 @@ def _dispatch(core: str) -> _Dispatch:
     attn_table, mask_table = _tables()
     # a Hub kernel may come without a mask builder of its own: flash kernels take the flash one
     dispatch = _Dispatch(core, attn_table[core], mask_table.get(core) or mask_table["flash_attention_2"])
-    PATCHES.set_item(attn_table, core, dispatch.run_attention, _TAG)
-    PATCHES.set_item(mask_table, core, dispatch.build_mask, _TAG)
+    for table, entry in ((attn_table, dispatch.run_attention), (mask_table, dispatch.build_mask)):
+        _install(table, core, entry)
     _dispatches[core] = dispatch
     PATCHES.on_undo(lambda: _dispatches.pop(core, None), _TAG)
     return dispatch
+
+
+def _install(table, name: str, entry) -> None:
+    """Put ``entry`` under ``name`` for every instance of the table's interface class: Transformers'
+    interfaces read an instance's own entries first, then the class-wide ones, and a model module may
+    hold an instance of its own (Doge does), so the class-wide entry is the one all of them see; an
+    entry the shared instance holds itself (put there by DeepSpeed's registration, say) is covered too."""
+    PATCHES.set_item(type(table)._global_mapping, name, entry, _TAG)
+    if name in table._local_mapping:
+        PATCHES.set_item(table._local_mapping, name, entry, _TAG)
 
 
 def _load_core(name: str) -> None:
@@ -211,6 +221,8 @@ def register_with_transformers(model_name_or_path, core_attn_implementation, seq
         from transformers import AutoConfig
         config = AutoConfig.from_pretrained(model_name_or_path)
     check_model_servable(config, module)
+    if module is not None:
+        _check_causal(module)
     _load_core(core_attn_implementation)
     if loaded and scope == "global":
         _check_matching_core(model_name_or_path, core_attn_implementation)
@@ -228,15 +240,32 @@ def register_with_transformers(model_name_or_path, core_attn_implementation, seq
     return mesh
 
 
+def _is_causal(decoder) -> bool:
+    """False when the decoder's attention modules all say they are not causal (as the dispatcher reads
+    them: a module without ``is_causal`` counts as causal), or its config does."""
+    flags = [m.is_causal for m in decoder.modules() if isinstance(getattr(m, "is_causal", None), bool)]
+    return not (flags and not any(flags)) and getattr(text_config(decoder), "is_causal", True) is not False
+
+
+def _check_causal(model) -> None:
+    """SP serves causal decoders: a model whose attention is bidirectional would need a bidirectional,
+    per-document attention over the gathered sequence that the wrapper does not build."""
+    if not _is_causal(decoder_of(model)):
+        raise ValueError(
+            f"model not servable by Ulysses SP: {type(model).__name__}'s attention is bidirectional (is_causal is "
+            "False), and Ulysses SP here serves causal decoders; expected a causal LM; fix: train this model "
+            "without sequence parallelism")
+
+
 def _wrapper(core_fn, config, core, mesh, micro_batch_size, seq_length, seq_length_is_variable, disable_in_eval):
     text = text_config(config)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    heads = config_value(text, "num_attention_heads")
+    head_dim = config_value(text, "head_dim") or config_value(text, "hidden_size") // heads
     local = None if seq_length is None else seq_length // mesh.sp
     return UlyssesSPAttentionHF(
-        core_fn, micro_batch_size, text.num_attention_heads, head_dim,
-        getattr(text, "num_key_value_heads", None) or text.num_attention_heads, text.num_hidden_layers,
-        mesh.sp_group, seq_length_is_variable, local, seq_length, disable_in_eval, core,
-        watch=mesh.sp_watch, sliding_layers=sliding_layers(config))
+        core_fn, micro_batch_size, heads, head_dim, config_value(text, "num_key_value_heads") or heads,
+        config_value(text, "num_hidden_layers"), mesh.sp_group, seq_length_is_variable, local, seq_length,
+        disable_in_eval, core, watch=mesh.sp_watch, sliding_layers=sliding_layers(config))
 
 
 def _serve_model(dispatch: _Dispatch, model, uattn) -> None:
@@ -285,9 +314,10 @@ def _adopt(model) -> None:
     decoder = decoder_of(model)
     text = text_config(decoder)
     dispatch = _dispatches.get(getattr(text, "_attn_implementation", None))
-    if dispatch is None or dispatch.global_attn is None or "_ulysses_watched" in decoder.__dict__:
-        return
-    if not any(getattr(m, "is_causal", False) is True for m in decoder.modules()):
+    watcher = decoder.__dict__.get("_ulysses_hooks", (None,))[0]
+    if dispatch is None or dispatch.global_attn is None or watcher is dispatch.global_attn or decoder in dispatch.by_module:
+        return  # not this core's, already adopted, or served by its own (model-scope) registration
+    if not _is_causal(decoder):
         return  # an encoder or a vision/audio tower: never SP's
     dispatch.sp_configs[id(text)] = (dispatch.global_attn, decoder)
     _watch_decoder(decoder, dispatch.global_attn, owner=None)
@@ -296,13 +326,19 @@ def _adopt(model) -> None:
 def _watch_decoder(decoder, uattn, owner) -> None:
     """Hooks around the decoder's forward: its position_ids are judged before Transformers could
     invent local ones, and a forward that never reached the SP attention is an error, not plain
-    data parallelism (a model that chose its attention path at construction, say)."""
+    data parallelism (a model that chose its attention path at construction, say). A decoder an
+    earlier registration watched (a model built under one global registration and registered again,
+    as a second Trainer in the same process does) gets this registration's hooks instead."""
+    for handle in decoder.__dict__.get("_ulysses_hooks", (None,))[1:]:
+        handle.remove()
     before = decoder.register_forward_pre_hook(functools.partial(_check_positions, uattn), with_kwargs=True)
     after = decoder.register_forward_hook(functools.partial(_check_sp_ran, uattn))
+    decoder.__dict__["_ulysses_hooks"] = (uattn, before, after)
     decoder.__dict__["_ulysses_watched"] = uattn.watch.step
     for handle in (before, after):
         PATCHES.on_undo(handle.remove, _TAG, owner=owner)
-    PATCHES.on_undo(lambda: decoder.__dict__.pop("_ulysses_watched", None), _TAG, owner=owner)
+    PATCHES.on_undo(lambda: [decoder.__dict__.pop(k, None) for k in ("_ulysses_watched", "_ulysses_hooks")], _TAG,
+                    owner=owner)
 
 
 def _sp_active(uattn, module) -> bool:
@@ -311,12 +347,13 @@ def _sp_active(uattn, module) -> bool:
 
 def _check_sp_ran(uattn, module, args, output):
     if _sp_active(uattn, module) and uattn.watch.step == module.__dict__.get("_ulysses_watched"):
-        raise RuntimeError(
-            f"{type(module).__name__}.forward ran without the Ulysses SP attention: none of its layers called "
-            f"Transformers' attention function '{uattn.core_attn_implementation}', so every rank attended only to "
-            "its own shard; expected the model to look its attention up by that name at every call; fix: build "
-            f"the model with attn_implementation='{uattn.core_attn_implementation}' before registering SP, or "
-            "train this model without sequence parallelism")
+        raise ValueError(
+            f"model not servable by Ulysses SP: {type(module).__name__}.forward ran without the SP attention: none "
+            f"of its layers called Transformers' attention function '{uattn.core_attn_implementation}' (the model "
+            "computes attention itself on this path, as Falcon does under sdpa), so every rank attended only to its "
+            "own shard; expected the model to look its attention up by that name at every call; fix: build the "
+            f"model with attn_implementation='{uattn.core_attn_implementation}' before registering SP, try another "
+            "core (flash_attention_2), or train this model without sequence parallelism")
 
 
 def _check_positions(uattn, module, args, kwargs):

@@ -10,6 +10,8 @@ import re
 
 import torch
 
+from .model_facts import config_value
+
 __all__ = ["check_model_servable", "decoder_of", "sliding_layers", "SERVABLE_LAYER_TYPES"]
 
 # Layer types (Transformers' ``layer_types``) whose token mixing is attention SP can serve, or that
@@ -26,7 +28,7 @@ _TOKEN_MIXER = re.compile(r"Mamba|Mixer|DeltaNet|ShortConv|Lightning|Rglru|Recur
 
 def _layer_kinds(text) -> list:
     for name in ("layer_types", "layers_block_type", "block_types"):
-        kinds = getattr(text, name, None)
+        kinds = config_value(text, name)
         if isinstance(kinds, (list, tuple)) and kinds:
             return [(name, i, kind) for i, kind in enumerate(kinds)]
     return []
@@ -57,14 +59,14 @@ def check_model_servable(config, model=None) -> None:
             f"{sorted(SERVABLE_LAYER_TYPES)}: these layers mix tokens outside attention (or need a mask SP "
             "drops), so a shard would see only its own tokens and train silently wrong; fix: train this "
             "model without sequence parallelism")
-    chunk = getattr(text, "attention_chunk_size", None)
+    chunk = config_value(text, "attention_chunk_size", None)
     if chunk:
         raise ValueError(
             f"model not servable by Ulysses SP: chunked attention (attention_chunk_size={chunk}) is not "
             "honoured on the gathered sequence (its chunk mask is dropped with the local mask); expected "
             "attention_chunk_size=None; fix: train without SP, or set attention_chunk_size to None only if "
             "full causal attention is what you want")
-    heads = getattr(text, "num_attention_heads", None)
+    heads = config_value(text, "num_attention_heads", None)
     if not isinstance(heads, int) or heads < 1:
         raise ValueError(
             f"model not servable by Ulysses SP: its config has no attention head count "
@@ -134,10 +136,10 @@ def _check_modules(model) -> None:
 def sliding_layers(config) -> frozenset:
     """Indices of layers that attend within a sliding window (empty when the model has none)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    window = getattr(text, "sliding_window", None)
+    window = config_value(text, "sliding_window", None)
     if not window:
         return frozenset()
-    kinds = getattr(text, "layer_types", None)
+    kinds = config_value(text, "layer_types", None)
     if kinds:
         return frozenset(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
-    return frozenset(range(getattr(text, "num_hidden_layers", 0)))
+    return frozenset(range(config_value(text, "num_hidden_layers", 0)))

@@ -29,7 +29,10 @@ import torch.nn.functional as F
 from ..constants import IGNORE_INDEX
 from ..distributed.collectives import collective_device
 from ..distributed.mesh import Mesh
+from ..hf.head import logits_transform
 from ..hf.model_facts import vocab_size
+from ..hf.servable import decoder_of
+from ..memory.tiles import zero3_whole
 from ..memory.tiles import resolve_loss_shards
 from ..sp.data import UlyssesSPDataLoaderAdapter
 
@@ -113,15 +116,13 @@ class PositionLoss:
         return path
 
 
-def _token_losses(model, batch: dict) -> torch.Tensor:
-    """Per-token cross-entropy ``[bs sl_l]`` of this rank's shard (0 where the label is -100)."""
-    config = model.config.get_text_config()
-    if getattr(config, "final_logit_softcapping", None):
-        raise ValueError(f"evaluate_positions: expected a plain linear lm_head, got {config.model_type} with "
-                         "final_logit_softcapping; fix: evaluate such models with model(...).logits")
-    hidden = model.get_decoder()(input_ids=batch["input_ids"],
-                                 position_ids=batch["position_ids"]).last_hidden_state  # [bs sl_l h]
-    labels = batch["shift_labels"]  # [bs sl_l]
+def _token_losses(model, batch: dict, transform) -> torch.Tensor:
+    """Per-token cross-entropy ``[bs sl_l]`` of this rank's shard (0 where the label is -100), with the
+    model's own logits ``transform`` (:func:`ds_ulysses.hf.head.logits_transform`)."""
+    device = model.get_input_embeddings().weight.device
+    hidden = decoder_of(model)(input_ids=batch["input_ids"].to(device),
+                               position_ids=batch["position_ids"].to(device)).last_hidden_state  # [bs sl_l h]
+    labels = batch["shift_labels"].to(device)  # [bs sl_l]
     bs, sl_l, h = hidden.shape
     flat, flat_labels = hidden.reshape(bs * sl_l, h), labels.reshape(bs * sl_l)  # [bs*sl_l h], [bs*sl_l]
     head = model.get_output_embeddings()
@@ -130,8 +131,10 @@ def _token_losses(model, batch: dict) -> torch.Tensor:
     out = []
     for t in range(tiles):  # every rank runs `tiles` head calls, even on an empty slice
         x, y = flat[t * step:(t + 1) * step], flat_labels[t * step:(t + 1) * step]  # [sl_t h], [sl_t]
-        out.append(F.cross_entropy(head(x).float(), y, ignore_index=IGNORE_INDEX, reduction="none"))
-    return torch.cat(out).reshape(bs, sl_l)
+        logits = head(x)  # [sl_t V]
+        logits = transform(logits) if transform is not None else logits
+        out.append(F.cross_entropy(logits.float(), y, ignore_index=IGNORE_INDEX, reduction="none"))
+    return torch.cat(out).reshape(bs, sl_l).cpu()
 
 
 @torch.no_grad()
@@ -161,11 +164,12 @@ def evaluate_positions(model, samples, mesh: Mesh | None = None, buckets: int | 
                                         pad_token_id=pad_token_id)
     sums = torch.zeros(nb, dtype=torch.float64)
     counts = torch.zeros(nb, dtype=torch.int64)
+    transform = logits_transform(model, zero3_whole)
     was_training = model.training
     model.eval()
     try:
         for batch in loader:
-            losses = _token_losses(model, batch)  # [bs sl_l]
+            losses = _token_losses(model, batch, transform)  # [bs sl_l]
             valid = batch["shift_labels"] != IGNORE_INDEX
             positions = batch["position_ids"][valid]
             if positions.numel() and int(positions.max()) >= int(edges[-1]):

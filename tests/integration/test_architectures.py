@@ -3,7 +3,7 @@
 One SP step at sp 2 on 2 gloo ranks vs the unsharded model, through the drop-in API and (tiled loss,
 ZeRO-3) through ``ds_ulysses.initialize``; the full sweep is ``python -m tests.architectures``.
 A model is never allowed to come out ``wrong`` (silently off) or ``crash``; a refusal must name the
-real cause. Models that fail today are ``xfail(strict=True)`` with their cause, so a fix flips them.
+real cause.
 """
 
 from __future__ import annotations
@@ -11,13 +11,6 @@ from __future__ import annotations
 import pytest
 
 from tests.architectures import run_cases, summary
-
-TODAY = "fails today (python -m tests.architectures): "
-
-
-def _known(cause: str):
-    return pytest.mark.xfail(strict=True, reason=TODAY + cause)
-
 
 DROPIN = [
     "llama", "qwen3", "gemma3_text", "cohere", "granite", "gpt_neox", "phi",
@@ -28,27 +21,14 @@ DROPIN = [
     "gpt2",        # merges heads itself after the attention call
     "jetmoe",      # K/V head count at the call (kv heads * top_k) differs from the config
     "modernbert-decoder",  # get_decoder() is not the text decoder
-    pytest.param("falcon", marks=_known("falcon's sdpa branch calls F.scaled_dot_product_attention itself, "
-                                        "bypassing the attention table: caught after the forward as a RuntimeError "
-                                        "(loud, but not a refusal at setup)")),
-    pytest.param("doge", marks=_known("silently wrong: the dynamic mask doge builds inside its attention (an "
-                                      "additive bias from A and dt_proj) is dropped with the local mask")),
-    pytest.param("gemma4_text", marks=_known("per-layer head_dim: reading config.head_dim at registration raises "
-                                             "AmbiguousGlobalPerLayerAttributeError")),
-    pytest.param("ctrl", marks=_known("refused for missing position_ids, which it was given: its attention "
-                                      "module does not forward them")),
-    pytest.param("llama+rope_dynamic", marks=_known("silently wrong: dynamic RoPE scales by the longest "
-                                                    "position a shard sees, not the global length")),
-    pytest.param("mixtral+aux", marks=_known("silently wrong: the SP loss drops the router's aux loss")),
+    "falcon",      # its sdpa branch calls F.scaled_dot_product_attention itself: refused at the first forward
+    "doge",        # builds its own attention mask inside the attention module: refused
+    "gemma4_text",  # per-layer head_dim (16 vs 512): each call's q/k/v decide the head split
+    "ctrl",        # its attention modules do not forward position_ids: refused naming that
+    "llama+rope_dynamic",  # RoPE scaled by the batch's longest position: refused
+    "mixtral+aux",  # a router load-balancing loss the SP loss would drop: refused
 ]
-ENGINE = [
-    "llama@tiled",
-    pytest.param("cohere@tiled", marks=_known("silently wrong: the tiled loss applies lm_head alone, dropping "
-                                              "logit_scale")),
-    pytest.param("granite@tiled", marks=_known("silently wrong: the tiled loss drops logits_scaling")),
-    pytest.param("gemma3_text@tiled", marks=_known("silently wrong: the tiled loss drops "
-                                                   "final_logit_softcapping")),
-]
+ENGINE = ["llama@tiled", "cohere@tiled", "granite@tiled", "gemma3_text@tiled"]
 
 
 def _names(params) -> list[str]:
