@@ -33,14 +33,15 @@ def dataset(n: int, length: int) -> list[dict]:
 
 
 def engine_vs_reference(rank: int, world_size: int, config: dict, via_install: bool = False,
-                        family: str = "llama", length: int = 24, mesh_param=None) -> dict:
-    """First step: per-rank loss vs its SP group's unsharded sample; full grads vs the DP mean."""
+                        family: str = "llama", length: int = 24, mesh_param=None, extra: dict | None = None) -> dict:
+    """First step: per-rank loss vs its SP group's unsharded sample; full grads vs the DP mean.
+    ``extra`` goes into the model config (a logits transform, say)."""
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
     import ds_ulysses
 
-    cfg = tiny_config(family, heads=4, kv_heads=2)
+    cfg = tiny_config(family, heads=4, kv_heads=2, **(extra or {}))
     model = tiny_model(cfg)
     ref = copy.deepcopy(model)
     data = dataset(2 * world_size, length)
