@@ -59,15 +59,20 @@ class SequenceTiledCompute(torch.autograd.Function):
 
         with torch.no_grad():
             outs = [fn(**_tile_kwargs(keys, args, ctx.n_shard, start, stop)) for start, stop in ctx.bounds]
+        if not all(torch.is_tensor(out) for out in outs):
+            got = sorted({type(out).__name__ for out in outs})
+            raise ValueError(f"sequence_tiled_compute: fn must return one tensor per tile, got {got}; wrap fn so "
+                             "it returns the tensor to concatenate (or a 0-dim value per tile)")
         ctx.per_tile = outs[0].dim() == 0
         if ctx.per_tile:  # one value per tile: [shards], reduced with each tile weighted by its length
             ctx.weights = [(stop - start) / seqlen if output_reduction == "mean" else 1.0 for start, stop in ctx.bounds]
             if output_reduction is None:
                 return torch.stack(outs)
-            total = torch.zeros_like(outs[0])
+            total = torch.zeros((), dtype=torch.promote_types(outs[0].dtype, torch.float32), device=outs[0].device)
             for out, weight, (start, stop) in zip(outs, ctx.weights, ctx.bounds):
-                total = total + (weight * out if stop > start else 0)  # a tile without tokens adds nothing
-            return total
+                if stop > start:  # a tile without tokens adds nothing
+                    total += weight * out.to(total.dtype)
+            return total.to(outs[0].dtype)
         out = torch.cat(outs, dim=output_unshard_dimension)  # [bs, sl, ...] (on output_unshard_dimension)
         sizes = [o.shape[output_unshard_dimension] for o in outs]
         ctx.out_bounds = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]

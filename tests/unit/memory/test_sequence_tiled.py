@@ -194,5 +194,7 @@ def test_errors():
         sequence_tiled_compute(torch.sin, 4, 2, {"input": x}, {}, "hidden")
     with pytest.raises(ValueError, match="output_reduction must be one of"):
         sequence_tiled_compute(torch.sin, 4, 2, {"input": x}, {}, "input", output_reduction="max")
+    with pytest.raises(ValueError, match=r"fn must return one tensor per tile, got \['tuple'\]"):
+        sequence_tiled_compute(lambda input: (input, None), 4, 2, {"input": x}, {}, "input")
     with pytest.raises(ValueError, match="shards must be a positive int, got 'auto'"):
         sequence_tiled_compute(torch.sin, 4, "auto", {"input": x}, {}, "input")
