@@ -127,13 +127,13 @@ def _dispatch(core: str) -> _Dispatch:
 
 
 def _install(table, name: str, entry) -> None:
-    """Put ``entry`` under ``name`` for every instance of the table's interface class: Transformers'
+    """Put ``entry`` under ``name`` for every instance of the table's interface class. Transformers'
     interfaces read an instance's own entries first, then the class-wide ones, and a model module may
-    hold an instance of its own (Doge does), so the class-wide entry is the one all of them see; an
-    entry the shared instance holds itself (put there by DeepSpeed's registration, say) is covered too."""
+    hold an instance of its own (Doge does): the class-wide entry is the one all of them see. The shared
+    instance gets its own entry too, as DeepSpeed's registration leaves it (code written against
+    DeepSpeed removes that entry to clean up)."""
     PATCHES.set_item(type(table)._global_mapping, name, entry, _TAG)
-    if name in table._local_mapping:
-        PATCHES.set_item(table._local_mapping, name, entry, _TAG)
+    PATCHES.set_item(table._local_mapping, name, entry, _TAG)
 
 
 def _load_core(name: str) -> None:
