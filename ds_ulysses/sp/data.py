@@ -12,11 +12,14 @@ All tensors of a batch travel in the same collective, as bytes. A small JSON met
 first carries each rank's verdict on its own batch (:func:`ds_ulysses.sp.batch_check.check_batch`) and
 checks that every rank's batch agrees in keys and dtypes, so a bad batch raises the same error on
 every rank instead of raising on one while the others hang, or aborting gloo. Non-tensor entries
-travel as JSON too: nothing a peer sends is unpickled.
+travel as JSON too: nothing a peer sends is unpickled. Every shard's ``input_ids`` is fingerprinted
+in :data:`ds_ulysses.sp.shards.SHARDS`, so a model whose SP was configured by a section or by
+Accelerate can tell its shard from a batch that never went through an adapter.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import deque
 
@@ -27,6 +30,7 @@ from ..constants import IGNORE_INDEX
 from ..distributed.collectives import all_gather_bytes, collective_device
 from ..distributed.watch import GroupWatch
 from .batch_check import check_batch, first_error
+from .shards import SHARDS
 
 __all__ = ["UlyssesSPDataLoaderAdapter", "prepare_sample"]
 
@@ -91,6 +95,27 @@ class UlyssesSPDataLoaderAdapter:
         self.iter = iter(dl)
         self.micro_batches: deque = deque()
 
+    def set_epoch(self, epoch: int) -> None:
+        """Forwarded to the wrapped loader (Transformers' Trainer sets each epoch's shuffling seed)."""
+        if hasattr(self.dl, "set_epoch"):
+            self.dl.set_epoch(epoch)
+
+    def resumed(self, micro_batches: int, skip_first_batches) -> "UlyssesSPDataLoaderAdapter":
+        """This adapter as it stands ``micro_batches`` into an epoch, for a resumed run.
+
+        ``skip_first_batches(dl, n)`` skips the wrapped loader's first ``n`` batches (Accelerate's of the
+        same name): every refill draws one batch and yields ``sp_world_size`` micro-batches, so that is
+        ``micro_batches // sp_world_size`` batches, and the rest are drawn and dropped (a refill, on every
+        rank of the group together).
+        """
+        refills, within = divmod(micro_batches, self.sp_world_size)
+        adapter = copy.copy(self)
+        adapter.dl = skip_first_batches(self.dl, refills)
+        adapter.iter, adapter.micro_batches = iter(adapter.dl), deque()
+        for _ in range(within):
+            next(adapter)
+        return adapter
+
     def __len__(self) -> int:
         # each batch the wrapped loader yields becomes sp micro-batches: one per sample owner in the group
         return self.sp_world_size * len(self.dl)
@@ -136,6 +161,8 @@ class UlyssesSPDataLoaderAdapter:
             micro = dict(meta["objects"])
             micro.update(tensors[k])
             self.micro_batches.append({key: micro[key] for key in meta["order"]})
+        if self.sp_world_size > 1:
+            SHARDS.record(self.sp_group, [shards["input_ids"] for shards in tensors])
 
     # -- collectives ----------------------------------------------------------------------------
     def _exchange_meta(self, batch, error: str | None = None) -> list:

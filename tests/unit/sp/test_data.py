@@ -206,3 +206,39 @@ def test_adapter_shards_reassemble_every_ranks_padded_sample(world):
 
 
 _ADAPTER_CTX: dict = {}  # the property test's rank, group and example count (hypothesis calls a plain function)
+
+
+def _recorded_and_resumed(rank, world_size):
+    from ds_ulysses.sp.shards import SHARDS
+
+    group = dist.new_group(list(range(world_size)))
+    SHARDS.require(group)
+    batches = [_sample(10, 10 * rank + i) for i in range(3)]  # 3 batches per rank
+    whole = list(UlyssesSPDataLoaderAdapter(batches, rank, group, world_size, "cpu"))
+    verdicts = [SHARDS.verdict(group, micro["input_ids"]) for micro in whole]
+    own_whole = SHARDS.verdict(group, prepare_sample(batches[0], world_size)["input_ids"])
+
+    class Loader(list):  # a loader that knows its epoch, like Accelerate's
+        epoch = None
+
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+    loader = Loader(batches)
+    adapter = UlyssesSPDataLoaderAdapter(loader, rank, group, world_size, "cpu")
+    adapter.set_epoch(3)
+    # Accelerate's skip_first_batches on the wrapped loader: a plain slice here
+    resumed = list(adapter.resumed(3, lambda dl, n: Loader(dl[n:])))
+    return {"verdicts": verdicts, "own_whole": own_whole, "whole": whole, "resumed": resumed, "epoch": loader.epoch}
+
+
+def test_every_shard_is_recorded_and_a_resumed_adapter_continues_where_the_run_was():
+    from ds_ulysses.sp.forward_check import ShardCheck, ShardStatus
+
+    for res in run_distributed(_recorded_and_resumed, 2):
+        assert res["verdicts"] == [ShardCheck(ShardStatus.SHARD, serial=k) for k in range(6)]
+        assert res["own_whole"].status == ShardStatus.NOT_A_SHARD  # the rank's own sample, unsharded
+        assert res["epoch"] == 3
+        assert len(res["resumed"]) == 3  # 6 micro-batches, 3 of them skipped (one refill and one more)
+        for got, want in zip(res["resumed"], res["whole"][3:]):
+            assert all(torch.equal(got[k], want[k]) for k in want)
