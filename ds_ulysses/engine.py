@@ -5,7 +5,11 @@ wrong: DeepSpeed #7458, #7672, #7695): the ``(dp, sp)`` mesh is built and handed
 ``mpu`` (so ZeRO reduces gradients over SP peers too, DeepSpeed #6868), the model gets the SP
 attention, the SP loss, and the section's tiling and offload switches, and the training data comes
 back already wrapped by the SP adapter. :func:`install` makes a plain ``deepspeed.initialize`` (as
-HF Trainer, Accelerate and existing scripts call it) do the same when the config has the section.
+HF Trainer, Accelerate and existing scripts call it) do the same when the config has the section, and
+makes Accelerate's and the Trainer's own SP path (``parallelism_config``) run this package
+(:mod:`ds_ulysses.hf.trainer`): the two switches are one. Under SP, every forward checks that each
+rank's input is its shard of the group's sample (:mod:`ds_ulysses.sp.shards`): a loader that was
+never wrapped fails on every rank instead of training plain data parallelism.
 
 Failure handling: every rank checks that all ranks hold the same section and model layout before
 any SP group exists (a rank with another sp would build other groups and hang the rest);
@@ -32,10 +36,12 @@ from .distributed.watch import GroupWatch
 from .hf.checkpointing import enable_activation_checkpoint_offload
 from .hf.loss import enable_sp_loss, tiled_causal_lm_loss
 from .hf.model_facts import layout_facts, vocab_size
-from .hf.register import register_with_transformers
+from .hf.register import UlyssesSPAttentionHF, register_with_transformers, sp_attention_of
+from .hf.trainer import install_accelerate
 from .memory.mlp_tiling import tile_mlps
 from .patching import PATCHES
 from .sp.data import UlyssesSPDataLoaderAdapter
+from .sp.shards import SHARDS
 
 __all__ = ["initialize", "install", "uninstall", "prepare_model", "loss_grad_scale"]
 
@@ -54,11 +60,25 @@ def loss_grad_scale(ds_config: dict, sp: int) -> float:
 
 
 def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: int, grad_scale: float) -> None:
-    """Apply the section to ``model``: SP attention, SP loss (tiled or not), tiled MLP, offload."""
+    """Apply the section to ``model``: SP attention, SP loss (tiled or not), tiled MLP, offload.
+
+    A model whose attention a registration on this mesh already serves (Accelerate registers before
+    it calls ``deepspeed.initialize``) keeps it. From here on its SP forwards must get the data
+    adapter's shards.
+    """
     if mesh.sp > 1:
-        register_with_transformers(model, section.attn_implementation, mesh.sp, micro_batch_size,
-                                   section.seq_length, section.seq_length_is_variable,
-                                   section.disable_in_eval, mesh=mesh, scope="model")
+        served = sp_attention_of(model)
+        if served is None:
+            register_with_transformers(model, section.attn_implementation, mesh.sp, micro_batch_size,
+                                       section.seq_length, section.seq_length_is_variable,
+                                       section.disable_in_eval, mesh=mesh, scope="model")
+        elif served.process_group is not mesh.sp_group:
+            raise ValueError(
+                f"{type(model).__name__}'s attention is already registered for Ulysses SP on another SP group "
+                f"(ranks {served.watch.ranks}) than this engine's mesh {mesh}; expected one registration per model; "
+                "fix: pass that registration's mpu to initialize (or drop the earlier register_with_transformers call)")
+        SHARDS.require(mesh.sp_group)
+        PATCHES.on_undo(functools.partial(SHARDS.release, mesh.sp_group), "sp_inputs", owner=model)
     loss_fn = tiled_causal_lm_loss(section.tiled_loss.shards, mesh.sp_watch) if section.tiled_loss.enabled else None
     enable_sp_loss(model, mesh.sp_group, grad_scale, loss_fn, watch=mesh.sp_watch)
     if section.tiled_mlp.enabled:
@@ -104,6 +124,35 @@ def _check_ranks_agree(section: UlyssesConfig, model) -> None:
             "every rank the same config file and checkpoint")
 
 
+def _reuse_mesh(mpu: Mesh, dp: int, sp: int) -> Mesh:
+    """The mesh a registration built (Accelerate passes it as ``mpu``), if it is the section's."""
+    if (mpu.dp, mpu.sp) != (dp, sp):
+        raise ValueError(
+            f"the mpu passed to deepspeed.initialize is a ds_ulysses mesh of dp={mpu.dp} x sp={mpu.sp}, but the "
+            f"\"ulysses\" section gives dp={dp} x sp={sp}; expected one SP size (Accelerate's parallelism_config "
+            "sp_size, or the sp of register_with_transformers, and the section's); fix: make them equal")
+    return mpu
+
+
+def _fit_train_batch_size(ds_config: dict, mesh: Mesh) -> None:
+    """DeepSpeed checks train_batch_size == micro x gas x dp; under SP dp is world / sp (an SP group
+    trains on one micro-batch at a time). A value filled in for a world of plain data parallelism (what
+    frameworks do) is resized; any other mismatch is refused here, naming the numbers."""
+    micro, gas, train = (ds_config.get(k) for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                                                    "train_batch_size"))
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (micro, gas, train)):
+        return
+    want = micro * gas * mesh.dp
+    if train == micro * gas * mesh.world_size:
+        ds_config["train_batch_size"] = want
+    elif train != want:
+        raise ValueError(
+            f"train_batch_size={train} does not fit the SP mesh dp={mesh.dp} x sp={mesh.sp}: expected "
+            f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp = {micro} x {gas} x {mesh.dp} = {want} "
+            f"(each SP group of {mesh.sp} ranks trains on one micro-batch at a time); fix: set train_batch_size to "
+            f"{want} or leave it out")
+
+
 def _watch_engine(engine, watch: GroupWatch) -> None:
     """Re-raise a collective failure in the engine's forward/backward/step naming group and step.
 
@@ -143,10 +192,12 @@ def initialize(model=None, config=None, mesh_param=None, model_parameters=None, 
     if section is None:
         return ds_initialize(args=args, model=model, model_parameters=model_parameters, training_data=training_data,
                              config=ds_config, mesh_param=mesh_param, collate_fn=collate_fn, **deepspeed_kwargs)
-    if deepspeed_kwargs.pop("mpu", None) is not None:
+    mpu = deepspeed_kwargs.pop("mpu", None)
+    if mpu is not None and not isinstance(mpu, Mesh):
         raise ValueError(
-            "got both an mpu and a \"ulysses\" config section; the section builds the mesh and its "
-            "mpu itself, so drop mpu= (or drop the section and wire SP by hand)")
+            f"got both an mpu ({type(mpu).__name__}) and a \"ulysses\" config section; the section builds the "
+            "mesh and its mpu itself (it reuses a ds_ulysses Mesh, what register_with_transformers returns), so "
+            "drop mpu= (or drop the section and wire SP by hand)")
     if model is None:
         raise ValueError("initialize needs model=...: the ulysses section configures the model's attention and loss")
     if mesh_param is not None:
@@ -156,10 +207,11 @@ def initialize(model=None, config=None, mesh_param=None, model_parameters=None, 
         deepspeed.init_distributed(timeout=section.comm_timeout)
     _check_ranks_agree(section, model)
     dp, sp = mesh_shape(dist.get_world_size(), section.sp, section.mesh_param)
-    mesh = Mesh(dp, sp, section.comm_timeout_seconds)
+    mesh = _reuse_mesh(mpu, dp, sp) if mpu is not None else Mesh(dp, sp, section.comm_timeout_seconds)
     micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
     prepare_model(model, section, mesh, micro, loss_grad_scale(ds_config, sp))
     ds_config["sequence_parallel_size"] = sp
+    _fit_train_batch_size(ds_config, mesh)
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     engine, optimizer, _, scheduler = ds_initialize(
@@ -183,15 +235,25 @@ def _patched_initialize(args=None, model=None, optimizer=None, model_parameters=
 
 
 def install() -> None:
-    """Make ``deepspeed.initialize`` honour the ``"ulysses"`` section. Idempotent."""
-    import deepspeed
+    """Make ``deepspeed.initialize`` honour the ``"ulysses"`` section, and Accelerate's and the Trainer's SP
+    path (``parallelism_config``, DeepSpeed's ALST names) run this package. Idempotent.
 
-    if not PATCHES.has(_TAG):
-        PATCHES.set_attr(deepspeed, "initialize", _patched_initialize, _TAG)
+    Call it before the Trainer or Accelerator is created: the section and ``parallelism_config`` are made
+    one when the Accelerator is built (:func:`ds_ulysses.hf.trainer.reconcile`).
+    """
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+
+    if PATCHES.has(_TAG):
+        return
+    PATCHES.set_attr(deepspeed, "initialize", _patched_initialize, _TAG)
+    PATCHES.set_attr(ulysses_sp, "UlyssesSPAttentionHF", UlyssesSPAttentionHF, _TAG)
+    PATCHES.set_attr(ulysses_sp, "UlyssesSPDataLoaderAdapter", UlyssesSPDataLoaderAdapter, _TAG)
+    install_accelerate(_TAG)
 
 
 def uninstall() -> None:
-    """Undo everything this package changed in the process: ``deepspeed.initialize``, Transformers'
-    attention tables, and every model it prepared (attention, loss, tiled MLPs, checkpoint offload).
-    Idempotent."""
+    """Undo everything this package changed in the process: ``deepspeed.initialize`` and DeepSpeed's ALST
+    names, Accelerate's and the Trainer's SP hooks, Transformers' attention tables, and every model it
+    prepared (attention, loss, input checks, tiled MLPs, checkpoint offload). Idempotent."""
     PATCHES.undo()

@@ -315,7 +315,8 @@ def _adopt(model) -> None:
     text = text_config(decoder)
     dispatch = _dispatches.get(getattr(text, "_attn_implementation", None))
     watcher = decoder.__dict__.get("_ulysses_hooks", (None,))[0]
-    if dispatch is None or dispatch.global_attn is None or watcher is dispatch.global_attn or decoder in dispatch.by_module:
+    if (dispatch is None or dispatch.global_attn is None or watcher is dispatch.global_attn
+            or decoder in dispatch.by_module):
         return  # not this core's, already adopted, or served by its own (model-scope) registration
     if not _is_causal(decoder):
         return  # an encoder or a vision/audio tower: never SP's
@@ -372,7 +373,8 @@ def _check_positions(uattn, module, args, kwargs):
                 "SP is disabled (disable_in_eval; Accelerate and the Trainer always register it so): each rank would "
                 "attend only within its own shard, silently wrong; expected whole samples when SP is off; fix: "
                 "evaluate with a loader the adapter does not wrap (under Accelerate, prepare the eval DataLoader in "
-                "its own accelerator.prepare call), or keep SP on in eval (disable_in_eval false, ds_ulysses.initialize)")
+                "its own accelerator.prepare call), or keep SP on in eval (disable_in_eval false, under "
+                "ds_ulysses.initialize)")
         return None
     uattn.new_forward()
     module.__dict__["_ulysses_watched"] = uattn.watch.step

@@ -13,7 +13,7 @@ from ds_ulysses.engine import _sp_loader, loss_grad_scale
 from ds_ulysses.distributed.mesh import Mesh
 
 from tests.support.distributed import run_distributed
-from tests.support.engine_cases import ds_config, engine_vs_reference
+from tests.support.engine_cases import ds_config, engine_vs_reference, not_sp_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +46,34 @@ def test_every_zero_stage_gives_non_sp_gradients(stage, zero):
 def test_mesh_param_argument_overrides_section():
     cfg = ds_config(2, sp=1)
     _check(run_distributed(engine_vs_reference, 4, cfg, False, "llama", 24, (2, 2), timeout=600), 2, 2)
+
+
+def test_inputs_that_are_not_the_groups_shards_fail_on_every_rank_instead_of_training_plain_dp():
+    for errors in run_distributed(not_sp_inputs, 2, timeout=600):
+        assert errors["no_adapter"].startswith(
+            "SP rank 0 (ranks [1] failed too): Ulysses SP is configured for this model, but its input did not come "
+            "from UlyssesSPDataLoaderAdapter: no adapter has yielded shards for this SP group"), errors
+        assert errors["not_a_shard"].startswith(
+            "SP rank 0 (ranks [1] failed too): Ulysses SP is configured for this model, but its input_ids [1, 24] are "
+            "not a shard UlyssesSPDataLoaderAdapter yielded for this SP group"), errors
+        assert errors["misaligned"].startswith(
+            "SP ranks run shards of different micro-batches: per SP rank the adapter's micro-batch [0, 1]"), errors
+
+
+def test_train_batch_size_filled_for_plain_data_parallelism_is_resized_for_the_mesh():
+    from ds_ulysses.engine import _fit_train_batch_size
+
+    class FourRanksSp2:
+        world_size, dp, sp = 4, 2, 2
+
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "train_batch_size": 24}
+    _fit_train_batch_size(config, FourRanksSp2)  # what Trainer/Accelerate fill in for 4 ranks of DP
+    assert config["train_batch_size"] == 12
+    config["train_batch_size"] = 7
+    with pytest.raises(ValueError, match=r"train_batch_size=7 does not fit the SP mesh dp=2 x sp=2: expected "
+                                         r"train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp = "
+                                         r"2 x 3 x 2 = 12 .* fix: set train_batch_size to 12 or leave it out"):
+        _fit_train_batch_size(config, FourRanksSp2)
 
 
 def test_grad_scale_follows_the_reduction_path():
@@ -95,7 +123,7 @@ def _mpu_and_section(rank, world_size):
 
 def test_conflicting_wiring_is_refused_on_every_rank():
     for first, second in run_distributed(_mpu_and_section, 2):
-        assert "got both an mpu and a \"ulysses\" config section" in first
+        assert "got both an mpu (object) and a \"ulysses\" config section" in first
         assert second is not None and "dp=3 * sp=2 = 6 but world_size=2" in second
 
 

@@ -46,15 +46,16 @@ def _args(out, model_dir, *extra):
 
 
 def _engine_logits(engine, ids):
-    """Logits of the SP engine on ``ids [1 sl]``: each rank its shard, gathered over the SP group."""
+    """Logits of the SP engine on ``ids [1 sl]``: each rank its shard (the adapter's: an engine set up by
+    the section takes no other input), gathered over the SP group."""
     import torch.distributed as dist
 
+    from ds_ulysses import UlyssesSPDataLoaderAdapter
+
     mesh = engine.mpu
-    sl_l = ids.shape[1] // mesh.sp
-    shard = slice(mesh.sp_rank * sl_l, (mesh.sp_rank + 1) * sl_l)
-    positions = torch.arange(ids.shape[1])[None]
+    batch = next(UlyssesSPDataLoaderAdapter([{"input_ids": ids}], mesh.sp_rank, mesh.sp_group, mesh.sp, "cpu"))
     with torch.no_grad():
-        local = engine.module(input_ids=ids[:, shard], position_ids=positions[:, shard]).logits  # [1 sl_l V]
+        local = engine.module(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits  # [1 sl_l V]
     parts = [torch.empty_like(local) for _ in range(mesh.sp)]
     dist.all_gather(parts, local.contiguous(), group=mesh.sp_group)
     return torch.cat(parts, dim=1)  # [1 sl V]

@@ -75,3 +75,33 @@ def engine_vs_reference(rank: int, world_size: int, config: dict, via_install: b
     if via_install:
         ds_ulysses.uninstall()
     return {"loss": loss_err, "grad": grad_err, "sp": sp, "dp": dp}
+
+
+def not_sp_inputs(rank: int, world_size: int) -> dict:
+    """An engine set up by the section, fed what is not its SP group's shards of one sample: each rank's own
+    whole sample before any adapter ran (plain data parallelism), the same after, and the shards of two
+    different micro-batches. Returns each forward's error (every rank must raise it)."""
+    import ds_ulysses
+    from ds_ulysses import UlyssesSPDataLoaderAdapter
+
+    model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))
+    data = dataset(2 * world_size, 24)
+    engine, *_ = ds_ulysses.initialize(model=model, config=ds_config(2))
+    mesh = engine.mpu
+    own = {"input_ids": data[rank]["input_ids"][None], "labels": data[rank]["labels"][None],
+           "position_ids": torch.arange(24)[None]}
+    errors = {}
+
+    def forward(name, batch):
+        try:
+            engine(**batch)
+        except ValueError as err:
+            errors[name] = str(err)
+
+    forward("no_adapter", own)
+    batches = [{k: v[None] for k, v in sample.items()} for sample in data[rank::world_size]]
+    adapter = UlyssesSPDataLoaderAdapter(batches, mesh.sp_rank, mesh.sp_group, mesh.sp, "cpu")
+    first = next(adapter)
+    forward("not_a_shard", own)
+    forward("misaligned", first if rank == 0 else next(adapter))  # rank 1 runs the refill's next micro-batch
+    return errors

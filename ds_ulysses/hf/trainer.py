@@ -1,0 +1,177 @@
+"""Accelerate and Transformers' Trainer: the ``"ulysses"`` section and ``parallelism_config`` as one SP switch.
+
+Transformers documents one way to train with Ulysses SP: ``TrainingArguments(parallelism_config=
+ParallelismConfig(sp_backend="deepspeed", sp_size=N))``. Accelerate then imports DeepSpeed's
+``UlyssesSPAttentionHF`` / ``UlyssesSPDataLoaderAdapter`` at call time, registers the attention,
+fixes DeepSpeed's batch arithmetic, wraps the train loader and calls ``deepspeed.initialize(mpu=...)``;
+the Trainer computes the loss with ``deepspeed_sp_compute_loss``. After :func:`ds_ulysses.install`:
+
+- DeepSpeed's two names point at ours (``engine.install``), so that code runs our attention and adapter;
+- an ``Accelerator`` whose DeepSpeed config has a ``"ulysses"`` section gets the equivalent
+  ``parallelism_config``, and one given with ``parallelism_config`` alone gets the equivalent section
+  (:func:`reconcile`), so Accelerate's SP plumbing and :func:`ds_ulysses.initialize` (behind the patched
+  ``deepspeed.initialize``) both run, from either switch; a section and a ``parallelism_config`` that
+  disagree are refused naming both values;
+- the Trainer's SP loss is the model's own (:func:`sp_compute_loss`): Transformers' weights per-rank
+  mean losses through a differentiable all_gather, which is exact only under ZeRO-3's reduction
+  (an average over all ranks) and twice the gradient at sp 2 under ZeRO-1/2 (a sum over SP peers);
+- the Trainer's resume skips into the adapter (:func:`skip_first_batches`), which Accelerate's
+  version cannot (the adapter is not a DataLoader).
+
+Evaluation under Accelerate runs without SP: Accelerate registers the attention with
+``disable_in_eval=True`` and the Trainer's evaluation loop gives each rank whole samples (labels,
+logits and metrics per sample), so each rank evaluates its own samples in full, exactly. A batch the
+adapter sharded reaching the model in eval mode is refused (the hook in :mod:`ds_ulysses.hf.register`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+
+import torch.distributed as dist
+
+from ..config import UlyssesConfig, parse_ds_config
+from ..config.schema import SECTION_KEY
+from ..distributed.mesh import mesh_shape
+from ..patching import PATCHES
+from ..sp.data import UlyssesSPDataLoaderAdapter
+
+__all__ = ["reconcile", "sp_compute_loss", "skip_first_batches", "install_accelerate"]
+
+
+def _pc_values(pc) -> dict:
+    """What a parallelism_config says about SP, with None for what it leaves to the section."""
+    handler = pc.sp_handler if pc is not None and pc.sp_size > 1 else None
+    fixed = handler is not None and not handler.sp_seq_length_is_variable
+    return {"sequence_parallel_size": pc.sp_size if pc is not None and pc.sp_size > 1 else None,
+            "attn_implementation": handler.sp_attn_implementation if handler is not None else None,
+            "seq_length_is_variable": False if fixed else None,
+            "seq_length": handler.sp_seq_length if fixed else None}
+
+
+def _merge(section: UlyssesConfig | None, pc) -> UlyssesConfig:
+    """One section from both switches: the parallelism_config's unset fields come from the section, the
+    ones it sets must equal the section's (a ValueError names both values otherwise)."""
+    given = {k: v for k, v in _pc_values(pc).items() if v is not None}
+    if section is None:
+        return UlyssesConfig(**given, disable_in_eval=True)
+    for name, value in given.items():
+        if getattr(section, name) != value:
+            pc_name = {"sequence_parallel_size": "sp_size", "attn_implementation": "sp_handler.sp_attn_implementation",
+                       "seq_length_is_variable": "sp_handler.sp_seq_length_is_variable",
+                       "seq_length": "sp_handler.sp_seq_length"}[name]
+            raise ValueError(
+                f"Accelerate's parallelism_config has {pc_name}={value!r} but the DeepSpeed config's \"ulysses\" "
+                f"section has {name}={getattr(section, name)!r}; expected the two SP switches to agree; fix: make them equal, "
+                "or give only one (either alone configures the same SP)")
+    return dataclasses.replace(section, disable_in_eval=True)
+
+
+def _parallelism_config(section: UlyssesConfig, pc, world_size: int):
+    """Accelerate's ParallelismConfig equivalent to ``section`` (keeping what ``pc`` says beyond SP)."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    dp, sp = mesh_shape(world_size, section.sp, section.mesh_param)
+    kept = {k: getattr(pc, k) for k in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "cp_backend")
+            } if pc is not None else {}
+    if pc is not None and pc.data_parallel_size not in (1, dp):
+        raise ValueError(
+            f"Accelerate's parallelism_config has a data-parallel size of {pc.data_parallel_size} (dp_replicate_size="
+            f"{pc.dp_replicate_size} x dp_shard_size={pc.dp_shard_size}) but {world_size} ranks at sp={sp} give "
+            f"dp={dp}; expected dp x sp == world size; fix: set dp_shard_size={dp} (or leave the dp sizes out)")
+    if pc is None or pc.data_parallel_size == 1:
+        kept.update(dp_replicate_size=1, dp_shard_size=dp)  # Accelerate sizes DeepSpeed's train_batch_size with it
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length=section.seq_length,
+                                              sp_seq_length_is_variable=section.seq_length_is_variable,
+                                              sp_attn_implementation=section.attn_implementation)
+    return ParallelismConfig(**kept, sp_size=sp, sp_backend="deepspeed", sp_handler=handler)
+
+
+def reconcile(accelerator) -> None:
+    """Give ``accelerator`` both SP switches from whichever it was given: the section (in its DeepSpeed
+    config, read by :func:`ds_ulysses.initialize`) and ``parallelism_config`` (read by Accelerate and the
+    Trainer: loader wrapping, batch arithmetic, step counts, the SP loss). No-op without either."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    _, section = parse_ds_config(plugin.deepspeed_config)
+    pc = accelerator.state.parallelism_config
+    if section is None and (pc is None or pc.sp_size <= 1):
+        return
+    section = _merge(section, pc)
+    world = dist.get_world_size() if dist.is_initialized() else accelerator.num_processes
+    accelerator.state.parallelism_config = _parallelism_config(section, pc, world)
+    plugin.deepspeed_config[SECTION_KEY] = _changed(section.to_dict(), UlyssesConfig().to_dict())
+
+
+def _changed(values: dict, defaults: dict) -> dict:
+    """The fields that differ from the defaults. Accelerate fills in or rejects every "auto" value of its
+    DeepSpeed config, and "auto" is only ever the section's default, so the section is handed on sparse."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            value = _changed(value, defaults[key])
+        if value != defaults[key] and value != {}:
+            out[key] = value
+    return out
+
+
+def sp_compute_loss(accelerator, model, inputs, return_outputs, pc):
+    """Replaces ``transformers.trainer.deepspeed_sp_compute_loss`` (same signature).
+
+    The model :func:`ds_ulysses.initialize` prepared returns, for the adapter's batch, the sample's
+    global token-mean loss with its backward scaled for the engine's gradient reduction, so the loss
+    is the model's own: exact under ZeRO-1, 2 and 3.
+    """
+    if "shift_labels" not in inputs:
+        raise ValueError(
+            f"Ulysses SP is on (parallelism_config sp_size={pc.sp_size}) but the training batch has no 'shift_labels' "
+            f"(keys: {sorted(inputs)}): it did not come from UlyssesSPDataLoaderAdapter; expected the Trainer's train "
+            "loader to be wrapped; fix: call ds_ulysses.install() before creating the Trainer, and do not replace "
+            "the Trainer's train DataLoader after it is prepared")
+    outputs = model(**inputs)
+    if outputs.loss is None:
+        raise RuntimeError(
+            "the model returned no loss for the SP batch's shift_labels: ds_ulysses's SP loss is not on this model "
+            "(its engine was built without ds_ulysses.initialize); expected ds_ulysses.install() to run before the "
+            "Trainer (or Accelerator) was created; fix: call ds_ulysses.install() first")
+    return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+def skip_first_batches(original, dataloader, num_batches=0):
+    """Accelerate's ``skip_first_batches`` (``original``), able to resume into the SP adapter."""
+    if isinstance(dataloader, UlyssesSPDataLoaderAdapter):
+        return dataloader.resumed(num_batches, original)
+    return original(dataloader, num_batches)
+
+
+def _patch_trainer(tag: str) -> None:
+    """The Trainer's SP loss and resume skip, once ``transformers.trainer`` is imported."""
+    trainer = sys.modules.get("transformers.trainer")
+    if trainer is None or PATCHES.has(tag + ":trainer"):
+        return
+    PATCHES.set_attr(trainer, "deepspeed_sp_compute_loss", sp_compute_loss, tag + ":trainer")
+    PATCHES.set_attr(trainer, "skip_first_batches", functools.partial(skip_first_batches, trainer.skip_first_batches),
+                     tag + ":trainer")
+
+
+def install_accelerate(tag: str) -> None:
+    """Patch Accelerate (when installed) so every Accelerator built from now on is reconciled, and the
+    Trainer module (now, or when the first Accelerator is built after it is imported)."""
+    try:
+        from accelerate import Accelerator
+    except ImportError:
+        return
+    original = Accelerator.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        reconcile(self)
+        _patch_trainer(tag)
+
+    PATCHES.set_attr(Accelerator, "__init__", __init__, tag)
+    _patch_trainer(tag)

@@ -1,0 +1,90 @@
+"""The two SP switches made one: the "ulysses" section and Accelerate's parallelism_config, merged or refused."""
+
+import pytest
+import torch
+from accelerate.parallelism_config import ParallelismConfig
+from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+from ds_ulysses.config import UlyssesConfig
+from ds_ulysses.hf.trainer import _changed, _merge, _parallelism_config, skip_first_batches, sp_compute_loss
+from ds_ulysses.sp.data import UlyssesSPDataLoaderAdapter
+
+
+def _pc(sp=2, **handler):
+    return ParallelismConfig(sp_backend="deepspeed", sp_size=sp,
+                             sp_handler=DeepSpeedSequenceParallelConfig(**handler) if handler else None)
+
+
+def test_a_section_alone_gives_the_equivalent_parallelism_config():
+    section = UlyssesConfig(sequence_parallel_size=2, attn_implementation="flash_attention_2")
+    pc = _parallelism_config(_merge(section, None), None, world_size=8)
+    assert (pc.sp_size, pc.sp_backend, pc.data_parallel_size) == (2, "deepspeed", 4)  # Accelerate's batch arithmetic
+    assert pc.sp_handler.sp_attn_implementation == "flash_attention_2"
+    assert pc.sp_handler.sp_seq_length_is_variable and pc.sp_handler.sp_seq_length is None
+
+
+def test_a_parallelism_config_alone_gives_the_equivalent_section():
+    section = _merge(None, _pc(4, sp_attn_implementation="sdpa", sp_seq_length_is_variable=False, sp_seq_length=64))
+    assert section == UlyssesConfig(sequence_parallel_size=4, attn_implementation="sdpa", seq_length_is_variable=False,
+                                    seq_length=64, disable_in_eval=True)
+    # Transformers' documented path leaves the dp sizes at 1: Accelerate would size DeepSpeed's batch for dp 1
+    assert _parallelism_config(section, _pc(4), world_size=8).data_parallel_size == 2
+
+
+def test_agreeing_switches_merge_and_the_section_keeps_its_other_fields():
+    section = UlyssesConfig(sequence_parallel_size=2, tiled_mlp={"enabled": True}, disable_in_eval=False)
+    merged = _merge(section, _pc(2, sp_attn_implementation="sdpa"))
+    assert merged.tiled_mlp.enabled and merged.disable_in_eval  # under Accelerate, evaluation runs without SP
+    assert _merge(section, ParallelismConfig()) == merged  # a parallelism_config without SP adds nothing
+
+
+@pytest.mark.parametrize("pc,message", [
+    (_pc(4), "parallelism_config has sp_size=4 but the DeepSpeed config's \"ulysses\" section has "
+             "sequence_parallel_size=2"),
+    (_pc(2, sp_attn_implementation="flash_attention_2"),
+     "parallelism_config has sp_handler.sp_attn_implementation='flash_attention_2' but the DeepSpeed config's "
+     "\"ulysses\" section has attn_implementation='sdpa'"),
+    (_pc(2, sp_seq_length_is_variable=False, sp_seq_length=32),
+     "parallelism_config has sp_handler.sp_seq_length_is_variable=False but the DeepSpeed config's \"ulysses\" "
+     "section has seq_length_is_variable=True"),
+])
+def test_disagreeing_switches_are_refused_naming_both_values(pc, message):
+    with pytest.raises(ValueError, match="fix: make them equal, or give only one") as err:
+        _merge(UlyssesConfig(sequence_parallel_size=2), pc)
+    assert message in str(err.value)
+
+
+def test_a_data_parallel_size_that_does_not_tile_the_world_is_refused():
+    pc = ParallelismConfig(sp_backend="deepspeed", sp_size=2, dp_replicate_size=3)
+    with pytest.raises(ValueError, match=r"data-parallel size of 3 .* but 8 ranks at sp=2 give dp=4; .* "
+                                         r"fix: set dp_shard_size=4"):
+        _parallelism_config(UlyssesConfig(sequence_parallel_size=2), pc, world_size=8)
+
+
+def test_the_section_handed_to_accelerate_has_no_auto_values():
+    # Accelerate fills in or rejects every "auto" in its DeepSpeed config; "auto" is only ever our default
+    section = UlyssesConfig(sequence_parallel_size=2, tiled_loss={"enabled": False}, disable_in_eval=True)
+    assert _changed(section.to_dict(), UlyssesConfig().to_dict()) == {
+        "sequence_parallel_size": 2, "tiled_loss": {"enabled": False}, "disable_in_eval": True}
+
+
+class _Outputs:
+    def __init__(self, loss):
+        self.loss = loss
+
+
+def test_the_trainer_loss_is_the_model_s_and_names_what_is_missing():
+    pc = _pc(2)
+    assert sp_compute_loss(None, lambda **batch: _Outputs(1.5), {"shift_labels": 0}, False, pc) == 1.5
+    with pytest.raises(ValueError, match="the training batch has no 'shift_labels' .* fix: call ds_ulysses.install"):
+        sp_compute_loss(None, lambda **batch: _Outputs(1.5), {"labels": 0}, False, pc)
+    with pytest.raises(RuntimeError, match="ds_ulysses's SP loss is not on this model .* fix: call ds_ulysses.install"):
+        sp_compute_loss(None, lambda **batch: _Outputs(None), {"shift_labels": 0}, False, pc)
+
+
+def test_resume_skips_into_the_adapter_and_leaves_other_loaders_to_accelerate():
+    calls = []
+    assert skip_first_batches(lambda dl, n: calls.append((dl, n)) or "skipped", "loader", 3) == "skipped"
+    adapter = UlyssesSPDataLoaderAdapter([{"input_ids": torch.ones(1, 4, dtype=torch.long)}], 0, None, 1, "cpu")
+    resumed = skip_first_batches(lambda dl, n: dl[n:], adapter, 1)
+    assert isinstance(resumed, UlyssesSPDataLoaderAdapter) and list(resumed) == []
