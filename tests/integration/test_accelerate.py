@@ -1,0 +1,26 @@
+"""A plain Accelerate loop (accelerator.prepare / accelerator.backward) with Ulysses SP from the DeepSpeed
+config's "ulysses" section, at sp 2 on 2 gloo ranks, against one process without SP (plain torch).
+
+Each step's loss rel 1e-5, the whole parameter update (the sum of the gradients) rel 1e-4. Accelerate
+turns SP off in eval mode; feeding it the sharded train loader there is refused (each rank would attend
+within its own shard), not computed wrong. Every stage for both switches: ``python -m tests.trainer_exactness``.
+"""
+
+import pytest
+
+from tests.support import trainer_cases as tc
+from tests.support.distributed import run_distributed
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+
+
+def test_accelerate_loop_trains_like_one_process_without_sp_and_refuses_shards_in_eval():
+    reference = tc.reference(tc.samples(2 * STEPS), STEPS)
+    for res in run_distributed(tc.accelerate_run, 2, 2, "section", STEPS, True, timeout=600):
+        assert res["sp"] == 2
+        errors = tc.compare(res, reference)
+        assert errors["loss"] <= 1e-5 and errors["update"] <= 1e-4, errors
+        assert "got a sequence shard from UlyssesSPDataLoaderAdapter in eval mode, where SP is disabled" \
+               in res["eval_on_shards"]

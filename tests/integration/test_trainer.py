@@ -1,0 +1,64 @@
+"""Transformers' Trainer with Ulysses SP at sp 2 on 2 gloo ranks, from either switch, against one process
+without SP (plain torch: the same model, samples and SGD steps; tests/support/trainer_cases.py).
+
+- every ZeRO stage trains exactly: each step's loss (rel 1e-5) and the whole parameter update, i.e. the
+  sum of the gradients (rel 1e-4); Transformers' own SP loss is 2x the gradient under ZeRO-1/2;
+- ``trainer.evaluate()`` gives the unsharded eval loss (each rank evaluates whole samples, SP off);
+- ``save_model`` under ZeRO-3 writes a model ``from_pretrained`` loads without SP or DeepSpeed;
+- resume from a checkpoint, in a second Trainer of the same process, reproduces the run;
+- what used to train plain data parallelism silently (``install()`` after the Trainer exists) fails on
+  every rank naming the missing piece; switches that disagree are refused naming both values.
+"""
+
+import pytest
+import torch
+
+from tests.support import trainer_cases as tc
+from tests.support.distributed import run_distributed
+from tests.support.models import rel_err
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return tc.reference(tc.samples(2 * STEPS), STEPS, eval_data=tc.samples(4, seed=1))
+
+
+@pytest.mark.parametrize("stage,switch", [(1, "section"), (2, "parallelism_config"), (3, "both")])
+def test_trainer_trains_evaluates_and_saves_like_one_process_without_sp(stage, switch, reference, tmp_path):
+    save = stage == 3
+    results = run_distributed(tc.trainer_run, 2, stage, switch, str(tmp_path), STEPS, True, save, timeout=600)
+    for res in results:
+        assert res["sp"] == 2
+        errors = tc.compare(res, reference)
+        assert errors["loss"] <= 1e-5 and errors["update"] <= 1e-4, errors
+        assert rel_err(torch.tensor(res["eval_loss"]), torch.tensor(reference["eval_loss"])) <= 1e-5
+    if save:
+        from transformers import AutoModelForCausalLM
+
+        saved = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.float32)
+        for name, param in saved.named_parameters():
+            want = reference["start"][name] + reference["update"][name]
+            assert rel_err(param.detach(), want) <= 1e-6, name
+
+
+def test_resume_in_a_second_trainer_reproduces_the_run(tmp_path):
+    for res in run_distributed(tc.trainer_resume, 2, 2, str(tmp_path), timeout=900):
+        whole, resumed = res["whole"], res["resumed"]
+        assert len(whole["losses"]) == 4 and len(resumed["losses"]) == 2  # steps 3 and 4 again
+        assert rel_err(torch.tensor(resumed["losses"]), torch.tensor(whole["losses"][2:])) <= 1e-6
+        for name, param in whole["params"].items():
+            assert rel_err(resumed["params"][name], param) <= 1e-6, name
+
+
+def test_sp_that_cannot_run_fails_on_every_rank_naming_the_missing_piece(tmp_path):
+    for errors in run_distributed(tc.trainer_refusals, 2, str(tmp_path), timeout=600):
+        assert "Ulysses SP is configured for this model, but its input did not come from " \
+               "UlyssesSPDataLoaderAdapter" in errors["install_after_trainer"]
+        assert "(ranks [1] failed too)" in errors["install_after_trainer"]
+        assert ("Accelerate's parallelism_config has sp_handler.sp_attn_implementation='flash_attention_2' but the "
+                "DeepSpeed config's \"ulysses\" section has attn_implementation='sdpa'") \
+            in errors["disagreeing_switches"]

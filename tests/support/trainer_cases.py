@@ -1,0 +1,214 @@
+"""Rank functions for the Trainer and Accelerate tests: real training loops vs plain torch on one process.
+
+The reference is independent of Transformers' Trainer, Accelerate and DeepSpeed: the same model and
+samples in the same order, plain ``loss.backward()`` and SGD (no momentum, no clipping, where a
+constant factor on the gradient shows at once, unlike Adam). What the SP runs must reproduce: every
+step's loss and the total parameter update (``lr x`` the sum of the gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.support.models import VOCAB, rel_err, tiny_config, tiny_model
+
+LR = 0.5
+SEQ = 16
+
+
+def samples(n: int, length: int = SEQ, seed: int = 0) -> list[dict]:
+    """``n`` samples of ``length`` tokens; labels are the ids (the model shifts them)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (length,), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def reference(data: list[dict], steps: int, eval_data: list[dict] | None = None) -> dict:
+    """One process, no SP: SGD on samples 0, 1, ..., steps-1; per-step losses, final parameters, and the
+    mean per-sample loss on ``eval_data`` after training."""
+    model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for sample in data[:steps]:
+        loss = model(input_ids=sample["input_ids"][None], labels=sample["labels"][None]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    out = {"losses": losses, "start": start, "update": {n: p.detach() - start[n] for n, p in model.named_parameters()},
+           "model": model}
+    if eval_data is not None:
+        with torch.no_grad():
+            out["eval_loss"] = sum(model(input_ids=s["input_ids"][None], labels=s["labels"][None]).loss.item()
+                                   for s in eval_data) / len(eval_data)
+    return out
+
+
+def ds_config(stage: int, section: dict | None = None) -> dict:
+    """A DeepSpeed config as a Trainer user writes it ("auto" where the Trainer fills in)."""
+    zero = {"stage": stage}
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": zero}
+    if section is not None:
+        config["ulysses"] = {"tiled_loss": {"enabled": False}, **section}
+    return config
+
+
+def full_params(engine) -> dict:
+    """Every parameter of a DeepSpeed engine's module, whole (ZeRO-1/2/3)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def compare(result: dict, ref: dict) -> dict:
+    """Worst per-step loss and per-parameter update relative errors of ``result`` against ``ref`` (both
+    start from the same initial weights: the update is ``lr x`` the sum of the gradients)."""
+    steps = len(result["losses"])
+    loss = max(rel_err(torch.tensor(a), torch.tensor(b)) for a, b in zip(result["losses"], ref["losses"][:steps]))
+    floor = 1e-5 * torch.stack([u.norm() for u in ref["update"].values()]).norm().item()
+    update = max(rel_err(result["params"][n] - start, ref["update"][n], floor) for n, start in ref["start"].items())
+    return {"loss": loss, "update": update}
+
+
+def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: str, steps: int = 3,
+                evaluate: bool = False, save: bool = False, resume_from: str | None = None,
+                save_steps: int = 0) -> dict:
+    """A real Trainer with SP at sp = world size, switched on by ``switch``: "section" (the DeepSpeed
+    config's "ulysses" section), "parallelism_config" (Transformers' documented path) or "both". Leaves
+    ds_ulysses installed (a second Trainer in the process registers over the first; the caller uninstalls)."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from transformers import Trainer, TrainingArguments
+
+    import ds_ulysses
+    from examples.cpu_gloo import report_gloo_world
+
+    report_gloo_world()
+    ds_ulysses.install()
+    # built before TrainingArguments: with a ZeRO-3 config they make from_config partition at construction
+    # (zero.Init), which initialises the weights differently from the reference
+    model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))
+    section = {"sequence_parallel_size": world_size} if switch in ("section", "both") else None
+    pc = (ParallelismConfig(sp_backend="deepspeed", sp_size=world_size)
+          if switch in ("parallelism_config", "both") else None)
+    args = TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=1, per_device_eval_batch_size=1, max_steps=steps,
+        learning_rate=LR, optim="sgd", lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500, train_sampling_strategy="sequential", deepspeed=ds_config(stage, section),
+        parallelism_config=pc, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    losses = []
+
+    class Recording(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if model.training:
+                losses.append(float(loss.detach()))
+            return loss
+
+    data = samples(2 * steps)
+    trainer = Recording(model=model, args=args, train_dataset=data, eval_dataset=samples(4, seed=1))
+    trainer.train(resume_from_checkpoint=resume_from)
+    out = {"losses": losses, "params": full_params(trainer.model_wrapped),
+           "sp": trainer.accelerator.parallelism_config.sp_size}
+    if evaluate:
+        out["eval_loss"] = trainer.evaluate()["eval_loss"]
+    if save:
+        trainer.save_model(f"{out_dir}/final")
+    return out
+
+
+def trainer_resume(rank: int, world_size: int, stage: int, out_dir: str) -> dict:
+    """4 steps with a checkpoint at step 2, then a second Trainer in the same process resuming from it
+    (a new registration over the first one's); both runs' losses and final parameters."""
+    import ds_ulysses
+
+    whole = trainer_run(rank, world_size, stage, "section", f"{out_dir}/whole", steps=4, save_steps=2)
+    resumed = trainer_run(rank, world_size, stage, "section", f"{out_dir}/resumed", steps=4,
+                          resume_from=f"{out_dir}/whole/checkpoint-2")
+    ds_ulysses.uninstall()
+    return {"whole": whole, "resumed": resumed}
+
+
+def trainer_refusals(rank: int, world_size: int, out_dir: str) -> dict:
+    """What used to train plain data parallelism or be refused: ``install()`` called after the Trainer was
+    built (its loader is never wrapped), and the two switches disagreeing. Returns each error message."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+    from transformers import Trainer, TrainingArguments
+
+    import ds_ulysses
+    from examples.cpu_gloo import report_gloo_world
+
+    report_gloo_world()
+    errors = {}
+
+    def trainer(parallelism_config=None):
+        args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=1, max_steps=2, optim="sgd",
+                                 report_to=[], save_strategy="no", disable_tqdm=True,
+                                 parallelism_config=parallelism_config,
+                                 deepspeed=ds_config(2, {"sequence_parallel_size": world_size}))
+        return Trainer(model=tiny_model(tiny_config("llama", heads=4, kv_heads=2)), args=args, train_dataset=samples(4))
+
+    late = trainer()
+    ds_ulysses.install()
+    try:
+        late.train()
+    except ValueError as err:
+        errors["install_after_trainer"] = str(err)
+    flash = DeepSpeedSequenceParallelConfig(sp_attn_implementation="flash_attention_2")
+    try:
+        trainer(ParallelismConfig(sp_backend="deepspeed", sp_size=world_size, sp_handler=flash))
+    except ValueError as err:
+        errors["disagreeing_switches"] = str(err)
+    ds_ulysses.uninstall()
+    return errors
+
+
+def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: int = 3,
+                   eval_on_shards: bool = False) -> dict:
+    """A plain Accelerate loop (``accelerator.prepare`` / ``accelerator.backward``) with SP from ``switch``;
+    ``eval_on_shards`` then feeds the sharded train loader to the model in eval mode."""
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedPlugin
+
+    import ds_ulysses
+    from examples.cpu_gloo import report_gloo_world
+
+    report_gloo_world()
+    ds_ulysses.install()
+    model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))  # before the ZeRO-3 plugin (see trainer_run)
+    section = {"sequence_parallel_size": world_size} if switch in ("section", "both") else None
+    config = {**ds_config(stage, section), "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 0.0}
+    config.pop("train_batch_size")
+    pc = (ParallelismConfig(sp_backend="deepspeed", sp_size=world_size)
+          if switch in ("parallelism_config", "both") else None)
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), parallelism_config=pc)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loader = torch.utils.data.DataLoader(samples(2 * steps), batch_size=1)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for _, batch in zip(range(steps), loader):
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    out = {"losses": losses, "params": full_params(model), "sp": accelerator.parallelism_config.sp_size}
+    if eval_on_shards:  # a wrapped loader in eval mode, where Accelerate turned SP off: refused, not wrong
+        model.eval()
+        try:
+            with torch.no_grad():
+                model(**next(iter(loader)))
+        except ValueError as err:
+            out["eval_on_shards"] = str(err)
+    ds_ulysses.uninstall()
+    return out
