@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # DeepSpeed's JIT ops are built into this virtualenv, not the user-wide cache other checkouts share
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: install test demo bench clean
+.PHONY: install test test-gpu demo bench clean
 
 install: $(STAMP)
 
@@ -23,6 +23,11 @@ $(STAMP): setup.cfg pyproject.toml
 
 test: $(STAMP)
 	DS_ACCELERATOR=cpu $(PY) -m pytest
+
+# On a machine with CUDA: the GPU checks (tests/gpu, marker `gpu`; skipped without a CUDA device).
+# flash-attn is optional: pip install -e '.[gpu]' where it can be built.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m gpu tests/gpu
 
 # The demo: SP 2 over 2 CPU processes on 16K-token sequences of the stdlib's source, ZeRO-3 with CPU
 # offload, tiled loss; then the checkpoint exported to a plain HF directory and evaluated without SP.

@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks in spawned processes; collect each rank's result or traceback."""
+"""Run a function on N ranks (gloo on CPU, or NCCL with one GPU per rank) in spawned processes;
+collect each rank's result or traceback."""
 
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue, received):
+def _worker(rank, world_size, port, fn, args, queue, received, backend="gloo"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-                      DS_ACCELERATOR="cpu")
+                      DS_ACCELERATOR="cuda" if backend == "nccl" else "cpu")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         queue.put((rank, True, fn(rank, world_size, *args)))
     except BaseException:  # report everything, including assertion failures, to the parent
         queue.put((rank, False, traceback.format_exc()))
@@ -35,12 +38,13 @@ def _worker(rank, world_size, port, fn, args, queue, received):
         received.wait(timeout=60)
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
-    """``fn(rank, world_size, *args)`` on each rank; returns the results in rank order."""
+def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, backend: str = "gloo") -> list:
+    """``fn(rank, world_size, *args)`` on each rank; returns the results in rank order. ``backend="nccl"``
+    gives rank r the GPU r."""
     ctx = mp.get_context("spawn")
     queue, received = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, received))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, received, backend))
              for r in range(world_size)]
     for p in procs:
         p.start()

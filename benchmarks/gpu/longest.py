@@ -1,0 +1,210 @@
+"""One GPU, one long sequence: the longest sequence that trains one step, and tokens/s there, for our
+defaults and for DeepSpeed's own ALST recipe, in the spirit of the ALST paper's single-H100 row.
+
+Both train the same Llama-3-style model built from its config (random weights: nothing is downloaded),
+bf16, ZeRO-3 with the optimizer offloaded to the CPU, one sequence per step, sp 1:
+
+- ``ours``: ``ds_ulysses.initialize`` with tiled MLP, tiled loss and activation-checkpoint offload on;
+- ``deepspeed``: DeepSpeed's module as ArcticTraining uses it: every MLP through its ``TiledMLP``
+  with the MLP's weights as ``compute_params``, the loss through its ``TiledFusedLogitsLoss``, and
+  Transformers' gradient checkpointing (DeepSpeed's module has no checkpoint offload of its own).
+
+Each trial is a fresh process (an out-of-memory step leaves nothing behind); the search doubles S until
+a step fails, then bisects to ``--resolution`` tokens. Run on the GPU machine:
+
+    python -m benchmarks.gpu.longest --model llama-3.2-3b --out benchmarks/results/gpu.jsonl
+
+and see benchmarks/gpu/README.md for an install without a package index.
+
+Dimension legend::  S sequence length (tokens)   V vocabulary   h hidden
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODELS = {  # Llama-3 family shapes (config numbers only)
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=True),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+}
+IMPLEMENTATIONS = ("ours", "deepspeed")
+
+
+def ds_config() -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+            "steps_per_print": 1 << 30}
+
+
+def _model(name: str, attn: str):
+    import deepspeed
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**MODELS[name], max_position_embeddings=1 << 24, rope_theta=500000.0, use_cache=False)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config()):  # partitioned while built: no full copy
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.bfloat16)
+
+
+def _sample(seq_len: int, vocab: int) -> dict:
+    import torch
+
+    ids = torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(seq_len)[None]}
+
+
+def _ours(model, seq_len):
+    import ds_ulysses
+
+    section = {"sequence_parallel_size": 1, "tiled_mlp": {"enabled": True}, "tiled_loss": {"enabled": True},
+               "activation_checkpoint_offload": {"enabled": True}}
+    sample = _sample(seq_len, model.config.vocab_size)
+    engine, _, loader, _ = ds_ulysses.initialize(model=model, config={**ds_config(), "ulysses": section},
+                                                 training_data=[{k: v[0] for k, v in sample.items()}])
+    batch = {k: v.to(engine.device) for k, v in next(iter(loader)).items()}
+    return engine, lambda: engine(**batch).loss
+
+
+def _deepspeed(model, seq_len):
+    import deepspeed
+    import torch
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
+
+    def tiled_mlp_forward(mlp, x):
+        def mlp_forward(module, tile):
+            return module.down_proj(module.act_fn(module.gate_proj(tile)) * module.up_proj(tile))
+
+        shards = max(1, -(-x.shape[1] // x.shape[2]))  # ceil(S / h), ArcticTraining's rule
+        return TiledMLP.apply(mlp_forward, mlp, x, shards, [mlp.gate_proj.weight, mlp.up_proj.weight,
+                                                           mlp.down_proj.weight])
+
+    for layer in model.model.layers:
+        layer.mlp.forward = tiled_mlp_forward.__get__(layer.mlp)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    vocab = model.config.vocab_size
+    shards = max(1, -(-seq_len * vocab * 4 // (1 << 27)))  # tiles of 128 MiB of fp32 logits, as ours
+
+    def loss_fn(head, x, y):
+        return torch.nn.functional.cross_entropy(head(x).float(), y, ignore_index=-100)
+
+    def forward(input_ids, position_ids, labels):  # the causal LM's forward, its loss tiled
+        hidden = model.model(input_ids=input_ids, position_ids=position_ids)[0]
+        shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+        return TiledFusedLogitsLoss.apply(loss_fn, model.lm_head, hidden, shift, None, shards,
+                                          [model.lm_head.weight], "mean")
+
+    model.forward = forward
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config())
+    sample = {k: v.to(engine.device) for k, v in _sample(seq_len, vocab).items()}
+    return engine, lambda: engine(**sample)
+
+
+def trial(impl: str, model_name: str, seq_len: int, attn: str) -> dict:
+    """One step at ``seq_len`` in this process (run through :func:`launch`)."""
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed()
+    torch.cuda.set_device(0)
+    model = _model(model_name, attn)
+    engine, forward = (_ours if impl == "ours" else _deepspeed)(model, seq_len)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    loss = forward()
+    engine.backward(loss)
+    engine.step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {"impl": impl, "model": model_name, "seq_len": seq_len, "ok": True, "loss": float(loss),
+            "seconds": seconds, "tokens_per_s": seq_len / seconds,
+            "peak_gib": torch.cuda.max_memory_allocated() / (1 << 30)}
+
+
+def launch(impl: str, model_name: str, seq_len: int, attn: str, timeout: float) -> dict:
+    """:func:`trial` in a fresh process; a crash or out-of-memory is a failed trial, not an error."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29511"),
+           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    cmd = [sys.executable, "-m", "benchmarks.gpu.longest", "--trial", impl, "--model", model_name,
+           "--seq-len", str(seq_len), "--attn", attn]
+    root = Path(__file__).resolve().parents[2]
+    try:
+        done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"impl": impl, "model": model_name, "seq_len": seq_len, "ok": False, "why": "timeout"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["exit " + str(done.returncode)]
+    return {"impl": impl, "model": model_name, "seq_len": seq_len, "ok": False, "why": tail[0][:300]}
+
+
+def longest(impl, model_name, start, resolution, attn, timeout, log) -> tuple[int, list[dict]]:
+    """Double from ``start`` until a step fails, then bisect: the longest S that trains, and every trial."""
+    trials, good, bad, s = [], 0, None, start
+    while bad is None:
+        result = launch(impl, model_name, s, attn, timeout)
+        trials.append(result)
+        log(result)
+        good, bad, s = (s, None, 2 * s) if result["ok"] else (good, s, s)
+    while bad - good > resolution:
+        mid = (good + bad) // 2 // resolution * resolution or resolution
+        if mid in (good, bad):
+            break
+        result = launch(impl, model_name, mid, attn, timeout)
+        trials.append(result)
+        log(result)
+        good, bad = (mid, bad) if result["ok"] else (good, mid)
+    return good, trials
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu.longest", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama-3.2-3b")
+    parser.add_argument("--impl", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS))
+    parser.add_argument("--start", type=int, default=32768, help="first sequence length tried")
+    parser.add_argument("--resolution", type=int, default=16384, help="bisect until this close")
+    parser.add_argument("--attn", default="sdpa", help="sdpa or flash_attention_2 (needs flash-attn)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per trial")
+    parser.add_argument("--out", default="benchmarks/results/gpu.jsonl", help="every trial, as JSON lines")
+    parser.add_argument("--trial", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.trial:  # inside one trial's process
+        print(json.dumps(trial(args.trial, args.model, args.seq_len, args.attn)), flush=True)
+        return 0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(result):
+        with out.open("a") as f:
+            f.write(json.dumps({**result, "date": time.strftime("%Y-%m-%d")}) + "\n")
+        state = (f"ok, {result['tokens_per_s']:,.0f} tok/s, {result['peak_gib']:.1f} GiB" if result["ok"]
+                 else f"failed: {result['why']}")
+        print(f"{result['impl']:>9} S={result['seq_len']:>9,}: {state}", flush=True)
+
+    best = {impl: longest(impl, args.model, args.start, args.resolution, args.attn, args.timeout, log)
+            for impl in args.impl}
+    print(f"\nlongest sequence that trains one step ({args.model}, one GPU, bf16, ZeRO-3 + CPU optimizer):")
+    for impl, (s, trials) in best.items():
+        speed = next((t["tokens_per_s"] for t in trials if t["ok"] and t["seq_len"] == s), float("nan"))
+        print(f"  {impl:>9}: {s:>10,} tokens, {speed:,.0f} tokens/s")
+    if len(best) == 2 and best["deepspeed"][0]:
+        ours, theirs = best["ours"][0], best["deepspeed"][0]
+        print(f"  ratio ours / deepspeed: {ours / theirs:.2f}x the length")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
