@@ -12,11 +12,11 @@ def config_value(config, name: str, default=None):
     which Transformers refuses to read globally: its global (default) value is returned then. SP
     needs such numbers only for checks and reports; each layer's real head layout comes from the
     tensors its attention call brings."""
-    from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
-
     try:
         return getattr(config, name, default)
-    except AmbiguousGlobalPerLayerAttributeError:
+    except RuntimeError as err:  # Transformers' AmbiguousGlobalPerLayerAttributeError (newer releases only)
+        if type(err).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+            raise
         return vars(config).get(name, default)
 
 
