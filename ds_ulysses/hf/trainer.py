@@ -64,8 +64,8 @@ def _merge(section: UlyssesConfig | None, pc) -> UlyssesConfig:
                        "seq_length": "sp_handler.sp_seq_length"}[name]
             raise ValueError(
                 f"Accelerate's parallelism_config has {pc_name}={value!r} but the DeepSpeed config's \"ulysses\" "
-                f"section has {name}={getattr(section, name)!r}; expected the two SP switches to agree; fix: make them equal, "
-                "or give only one (either alone configures the same SP)")
+                f"section has {name}={getattr(section, name)!r}; expected the two SP switches to agree; fix: make "
+                "them equal, or give only one (either alone configures the same SP)")
     return dataclasses.replace(section, disable_in_eval=True)
 
 

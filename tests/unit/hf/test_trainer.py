@@ -88,3 +88,26 @@ def test_resume_skips_into_the_adapter_and_leaves_other_loaders_to_accelerate():
     adapter = UlyssesSPDataLoaderAdapter([{"input_ids": torch.ones(1, 4, dtype=torch.long)}], 0, None, 1, "cpu")
     resumed = skip_first_batches(lambda dl, n: dl[n:], adapter, 1)
     assert isinstance(resumed, UlyssesSPDataLoaderAdapter) and list(resumed) == []
+
+
+def test_install_points_accelerate_and_the_trainer_at_ds_ulysses_and_uninstall_restores_them():
+    import deepspeed
+    import transformers.trainer as trainer_module
+    from accelerate import Accelerator
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+
+    import ds_ulysses
+
+    def current():
+        return (deepspeed.initialize, ulysses_sp.UlyssesSPAttentionHF, ulysses_sp.UlyssesSPDataLoaderAdapter,
+                Accelerator.__init__, trainer_module.deepspeed_sp_compute_loss, trainer_module.skip_first_batches)
+
+    before = current()
+    ds_ulysses.install()
+    ds_ulysses.install()  # idempotent
+    assert ulysses_sp.UlyssesSPAttentionHF is ds_ulysses.UlyssesSPAttentionHF
+    assert ulysses_sp.UlyssesSPDataLoaderAdapter is ds_ulysses.UlyssesSPDataLoaderAdapter
+    assert trainer_module.deepspeed_sp_compute_loss is sp_compute_loss
+    assert all(now is not then for now, then in zip(current(), before))
+    ds_ulysses.uninstall()
+    assert all(now is then for now, then in zip(current(), before))
