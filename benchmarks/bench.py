@@ -1,13 +1,21 @@
 """``ds-ulysses bench`` (or ``python -m benchmarks.bench``): DeepSpeed's ALST module and ours, side by
-side, in alternating fresh launches.
+side, in alternating fresh launches, with the benchmark's own noise measured in the same run.
 
-Absolute CPU times mean little and a shared machine is noisy, so every configuration runs each
-implementation ``reps`` times in rotating order (A B C, B C A, C A B, ...), each launch a fresh
-process group of ``sp`` processes (:mod:`benchmarks.rank`), and reports medians: step time
-is the median over all measured steps of the slowest rank's time, peak memory the median over
-launches of the largest rank's RSS high-water mark. Every launch appends one JSON line to the
-results file, so long suites survive interruption and :mod:`benchmarks.report` can rebuild
-the tables and plots from it.
+Every configuration (S, sp) runs each *arm* once per repetition, in an order rotated per repetition
+(A B C D, B C D A, ...), each launch a fresh process group of ``sp`` processes
+(:mod:`benchmarks.rank`). The arms: ``deepspeed`` (DeepSpeed's module + tutorial recipe), the
+same again as ``deepspeed[again]`` (the noise arm: identical code, so its ratio to ``deepspeed`` is
+what this machine does to a ratio), ``ours-dropin``, ``ours`` and any ``ours[variant]``. A launch's
+step time is the mean over its measured steps (one adapter refill cycle: sp steps) of the slowest
+rank's whole user-loop step; its memory is the largest rank's peak RSS. Each ratio is taken within a
+repetition (arm / ``deepspeed`` of the same repetition), so slow drifts in machine load cancel, and
+is reported as the median over repetitions with its spread (:mod:`benchmarks.report`).
+
+Other modes: ``--layer-iters`` (the attention layer alone, :mod:`benchmarks.layer`), ``--tiled-iters``
+(TiledMLP and sequence_tiled_compute against DeepSpeed's, :mod:`benchmarks.tiled`) and
+``--max-seq BUDGET`` (the longest sequence whose step fits a per-rank RSS budget,
+:mod:`benchmarks.maxseq`). Every launch appends one JSON line to the results file, so long suites
+survive interruption and :mod:`benchmarks.report` rebuilds the tables and plots from it.
 """
 
 from __future__ import annotations
@@ -26,14 +34,27 @@ from pathlib import Path
 from ds_ulysses.constants import GIB
 from ds_ulysses.planner import parse_size
 
-__all__ = ["add_arguments", "run_command", "main", "launch", "run_suite", "run_layer_suite", "summarize",
-           "impl_name"]
+__all__ = ["add_arguments", "run_command", "main", "launch", "OverBudget", "run_suite", "run_layer_suite", "summarize",
+           "impl_name", "arms", "parse_bytes", "launch_time", "launch_peak", "NOISE_ARM"]
 
-_IMPLS = ("deepspeed", "ours-dropin", "ours")
+_IMPLS = ("deepspeed", "ours-dropin", "ours", "deepspeed-alst")
+NOISE_ARM = "deepspeed[again]"
 
 
 def impl_name(impl: str, variant: str | None) -> str:
     return impl if not variant else f"{impl}[{variant}]"
+
+
+def arms(impls, variants: dict | None = None, noise: bool = True) -> list[tuple[str, str, str | None, dict]]:
+    """(name, impl, variant, section) per arm: the implementations, the noise arm after ``deepspeed``,
+    then one ``ours[variant]`` per variant."""
+    out = []
+    for impl in impls:
+        out.append((impl, impl, None, {}))
+        if impl == "deepspeed" and noise:
+            out.append((NOISE_ARM, "deepspeed", "again", {}))
+    out += [(impl_name("ours", name), "ours", name, section) for name, section in (variants or {}).items()]
+    return out
 
 
 def _free_port() -> int:
@@ -42,8 +63,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(spec: dict, world: int, workdir: Path, timeout: float = 1800.0) -> list[dict]:
-    """Run one implementation on ``world`` fresh processes; return every rank's measurements."""
+def _loadavg() -> float:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+class OverBudget(RuntimeError):
+    """A launch stopped because a rank's RSS high-water mark passed the limit it was given."""
+
+    def __init__(self, rank: int, peak: int):
+        super().__init__(f"rank {rank} reached {peak / GIB:.2f} GiB of RSS, over the budget")
+        self.rank, self.peak = rank, peak
+
+
+def _hwm_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def launch(spec: dict, world: int, workdir: Path, timeout: float = 1800.0, rss_limit: int | None = None) -> list[dict]:
+    """Run one implementation on ``world`` fresh processes; return every rank's measurements.
+
+    With ``rss_limit`` (bytes), the ranks are stopped as soon as one's RSS high-water mark passes it
+    (read from ``/proc``, so no spike between two looks is missed), raising :class:`OverBudget`.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     fd, path = tempfile.mkstemp(prefix="spec-", suffix=".json", dir=workdir)
     with os.fdopen(fd, "w") as f:
@@ -54,20 +105,25 @@ def launch(spec: dict, world: int, workdir: Path, timeout: float = 1800.0) -> li
     procs, logs = [], []
     for rank in range(world):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "PYTHONPATH": path_env,
-               "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(spec.get("threads", 1))}
+               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+               "PYTHONPATH": path_env, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(spec.get("threads", 1))}
         log = open(f"{path}.rank{rank}.log", "w")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.rank", path], env=env,
+        procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.rank", path], env=env, cwd=root,
                                       stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
-    failed = None
+    failed = over = None
     try:
         while any(p.poll() is None for p in procs) and failed is None:
             failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
             if time.monotonic() > deadline:
                 failed = "timeout"
-            time.sleep(0.2)
+            if rss_limit is not None:
+                peaks = [_hwm_of(p.pid) for p in procs]
+                if max(peaks) > rss_limit:
+                    over = OverBudget(peaks.index(max(peaks)), max(peaks))
+                    break
+            time.sleep(0.1)
         failed = failed if failed is not None else next((r for r, p in enumerate(procs) if p.returncode), None)
     finally:
         for p in procs:
@@ -76,52 +132,83 @@ def launch(spec: dict, world: int, workdir: Path, timeout: float = 1800.0) -> li
                 p.wait()
         for log in logs:
             log.close()
+    if over is not None:
+        for leftover in workdir.glob(Path(path).name + "*"):
+            leftover.unlink()
+        raise over
     if failed is not None:
         rank = 0 if failed == "timeout" else failed
         tail = Path(f"{path}.rank{rank}.log").read_text()[-3000:]
         raise RuntimeError(f"benchmark launch of {spec['impl']} (S={spec['seq_len']}, sp={world}) failed "
                            f"({'timed out' if failed == 'timeout' else f'rank {rank} exited non-zero'}); "
                            f"log tail:\n{tail}")
-    return [json.loads(Path(f"{path}.rank{r}.json").read_text()) for r in range(world)]
+    results = [json.loads(Path(f"{path}.rank{r}.json").read_text()) for r in range(world)]
+    for leftover in workdir.glob(Path(path).name + "*"):
+        leftover.unlink()
+    Path(path).unlink(missing_ok=True)
+    return results
 
 
-def run_suite(seq_lens, sps, impls, reps: int, steps: int, warmup: int, out: Path, packed_docs: int = 0,
+def launch_time(record: dict) -> float:
+    """A launch's step time: the mean over its measured steps of the slowest rank's step."""
+    steps = [max(t) for t in zip(*(r["times"] for r in record["ranks"]))]
+    return statistics.mean(steps) if steps else float("nan")
+
+
+def launch_peak(record: dict) -> int:
+    """A launch's memory: the largest rank's peak RSS (setup and measured steps)."""
+    return max(r["peak"] for r in record["ranks"])
+
+
+def _workdir() -> Path:
+    return Path(tempfile.gettempdir()) / "ds_ulysses_bench"
+
+
+def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, out: Path, packed_docs: int = 0,
               model: dict | None = None, variants: dict | None = None, timeout: float = 1800.0,
-              log=print) -> list[dict]:
-    """Every (S, sp) with every implementation, ``reps`` rotations; each launch appended to ``out``.
+              noise: bool = True, profile_reps: int = 1, log=print) -> list[dict]:
+    """Every (S, sp) with every arm, ``reps`` rotations; each launch appended to ``out``.
 
-    ``variants`` maps a name to a ``"ulysses"`` section override for the ``ours`` implementation
-    (the switch-by-switch memory benchmark); each variant is one more entry in the rotation.
+    ``steps`` None means sp (one adapter refill cycle); ``variants`` maps a name to a ``"ulysses"``
+    section override for an extra ``ours`` arm; the first ``profile_reps`` repetitions also profile
+    one step per launch (:mod:`benchmarks.profile`).
     """
-    entries = [(impl, None, {}) for impl in impls]
-    entries += [("ours", name, section) for name, section in (variants or {}).items()]
+    from .report import format_group
+
+    entries = arms(impls, variants, noise)
+    run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     records = []
     out.parent.mkdir(parents=True, exist_ok=True)
     for seq_len in seq_lens:
         for sp in sps:
+            group = []
             for rep in range(reps):
                 shift = rep % len(entries)
-                for impl, variant, section in entries[shift:] + entries[:shift]:
-                    spec = {"impl": impl, "seq_len": seq_len, "sp": sp, "steps": steps, "warmup": warmup,
-                            "packed_docs": packed_docs, "model": model or {}, "section": section}
+                for order, (name, impl, variant, section) in enumerate(entries[shift:] + entries[:shift]):
+                    spec = {"impl": impl, "seq_len": seq_len, "sp": sp, "steps": steps or sp, "warmup": warmup,
+                            "packed_docs": packed_docs, "model": model or {}, "section": section,
+                            "profile": rep < profile_reps}
                     begin = time.monotonic()
-                    record = {**spec, "variant": variant, "name": impl_name(impl, variant), "rep": rep}
+                    record = {"kind": "step", **spec, "variant": variant, "name": name, "rep": rep, "order": order,
+                              "run": run_id, "date": time.strftime("%Y-%m-%d %H:%M"), "load_before": _loadavg()}
                     try:
-                        record["ranks"] = launch(spec, sp, Path(tempfile.gettempdir()) / "ds_ulysses_bench", timeout)
+                        record["ranks"] = launch(spec, sp, _workdir(), timeout)
                     except RuntimeError as exc:  # keep going: one broken configuration must not void the suite
                         record["error"] = str(exc)[-2000:]
-                        log(f"{record['name']:>24} S={seq_len:>6} sp={sp}: FAILED ({str(exc).splitlines()[-1]})")
+                        log(f"{name:>24} S={seq_len:>6} sp={sp} rep={rep}: FAILED ({str(exc).splitlines()[-1]})")
+                    record["load_after"] = _loadavg()
+                    record["wall"] = time.monotonic() - begin
                     with open(out, "a") as f:
                         f.write(json.dumps(record) + "\n")
                     if "error" in record:
                         continue
                     records.append(record)
-                    ranks = record["ranks"]
-                    times = [max(t) for t in zip(*(r["times"] for r in ranks))]
-                    log(f"{record['name']:>24} S={seq_len:>6} sp={sp} packed={packed_docs} rep={rep}: "
-                        f"step {statistics.median(times) if times else float('nan'):.2f}s, "
-                        f"peak {max(r['peak'] for r in ranks) / GIB:.2f} GiB, "
-                        f"launch {time.monotonic() - begin:.0f}s")
+                    group.append(record)
+                    log(f"{name:>24} S={seq_len:>6} sp={sp} packed={packed_docs} rep={rep}: "
+                        f"step {launch_time(record):.2f}s, peak {launch_peak(record) / GIB:.2f} GiB, "
+                        f"launch {record['wall']:.0f}s, load {record['load_before']:.1f}->{record['load_after']:.1f}")
+            if group:
+                log(format_group(group))
     return records
 
 
@@ -132,8 +219,9 @@ def run_layer_suite(seq_lens, sps, iters: int, out: Path, timeout: float = 1800.
     for seq_len in seq_lens:
         for sp in sps:
             spec = {"impl": "layer", "seq_len": seq_len, "sp": sp, "iters": iters}
-            result = launch(spec, sp, Path(tempfile.gettempdir()) / "ds_ulysses_bench", timeout)[0]
-            record = {**spec, "kind": "layer", "name": "layer", "result": result}
+            result = launch(spec, sp, _workdir(), timeout)[0]
+            record = {**spec, "kind": "layer", "name": "layer", "result": result,
+                      "date": time.strftime("%Y-%m-%d %H:%M")}
             with open(out, "a") as f:
                 f.write(json.dumps(record) + "\n")
             records.append(record)
@@ -142,24 +230,30 @@ def run_layer_suite(seq_lens, sps, iters: int, out: Path, timeout: float = 1800.
     return records
 
 
+def model_key(model: dict | None) -> str:
+    """A short tag of the model overrides ('' for the default model)."""
+    return ",".join(f"{k}={v}" for k, v in sorted((model or {}).items()))
+
+
 def summarize(records: list[dict]) -> dict:
-    """(name, S, sp, packed) -> medians and per-layer communication (see the module docstring)."""
+    """(name, S, sp, packed, model) -> pooled medians and per-layer communication (every launch)."""
     groups: dict = {}
-    for rec in (r for r in records if "error" not in r and r.get("kind") != "layer"):
-        key = (rec["name"], rec["seq_len"], rec["sp"], rec.get("packed_docs", 0))
+    for rec in (r for r in records if "error" not in r and r.get("kind", "step") == "step"):
+        key = (rec["name"], rec["seq_len"], rec["sp"], rec.get("packed_docs", 0), model_key(rec.get("model")))
         groups.setdefault(key, []).append(rec)
     out = {}
     for key, recs in groups.items():
-        times = [max(t) for rec in recs for t in zip(*(r["times"] for r in rec["ranks"]))]
         r0 = recs[0]["ranks"][0]
         layers = max(1, r0["attn_forward_calls"])
+        profiles = [r["profile"] for rec in recs for r in rec["ranks"] if "profile" in r]
         out[key] = {
-            "time": statistics.median(times) if times else float("nan"),
+            "time": statistics.median(launch_time(rec) for rec in recs),
             "phases": [statistics.median(p[i] for rec in recs for r in rec["ranks"] for p in r["phases"])
-                       for i in range(3)],
-            "peak": statistics.median(max(r["peak"] for r in rec["ranks"]) for rec in recs),
+                       for i in range(len(r0["phases"][0]))] if r0["phases"] else [],
+            "profile": {k: statistics.mean(p[k] for p in profiles) for k in profiles[0]} if profiles else None,
+            "peak": statistics.median(launch_peak(rec) for rec in recs),
             "steps_peak": statistics.median(max(r["steps_peak"] or r["peak"] for r in rec["ranks"]) for rec in recs),
-            "launches": len(recs), "steps": len(times),
+            "launches": len(recs), "steps": sum(len(rec["ranks"][0]["times"]) for rec in recs),
             "loss": recs[0]["ranks"][0]["losses"][0],
             "attn_calls": {k: v / layers for k, v in r0["attn_forward"]["calls"].items()},
             "attn_sent": sum(r0["attn_forward"]["sent"].values()) / layers,
@@ -168,6 +262,7 @@ def summarize(records: list[dict]) -> dict:
             "refill_received": sum(r0["refill"]["received"].values()) / max(1, r0["refills"]),
             "refill_calls": {k: v / max(1, r0["refills"]) for k, v in r0["refill"]["calls"].items()},
             "model": recs[0].get("model", {}),
+            "section": recs[0].get("section", {}),
         }
     return out
 
@@ -175,16 +270,23 @@ def summarize(records: list[dict]) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", nargs="+", default=["4K"], help="global sequence lengths (4096, 16K, ...)")
     parser.add_argument("--sp", nargs="+", type=int, default=[2], help="sequence-parallel sizes (= processes)")
-    parser.add_argument("--impl", nargs="*", choices=_IMPLS, default=list(_IMPLS),
+    parser.add_argument("--impl", nargs="*", choices=_IMPLS, default=["deepspeed", "ours-dropin", "ours"],
                         help="deepspeed: DeepSpeed's module + tutorial recipe; ours-dropin: our drop-in API with "
-                             "the same user code; ours: ds_ulysses.initialize with the section's defaults")
+                             "the same user code; ours: ds_ulysses.initialize with the section's defaults; "
+                             "deepspeed-alst: DeepSpeed with TiledMLP, TiledFusedLogitsLoss and checkpointing "
+                             "(ArcticTraining's setup)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
-                        help="an extra 'ours' run with this \"ulysses\" section override, e.g. "
+                        help="an extra 'ours' arm with this \"ulysses\" section override, e.g. "
                              "'mlp={\"tiled_mlp\": {\"enabled\": true}}' (repeatable)")
+    parser.add_argument("--no-noise", dest="noise", action="store_false",
+                        help="leave out the noise arm (DeepSpeed launched twice per repetition)")
     parser.add_argument("--packed-docs", type=int, default=0, help="documents packed per sample (0: one)")
-    parser.add_argument("--reps", type=int, default=3, help="launches per implementation, alternating")
-    parser.add_argument("--steps", type=int, default=2, help="measured steps per launch")
+    parser.add_argument("--reps", type=int, default=3, help="launches per arm, in rotating order")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per launch (default: sp, one "
+                                                                "adapter refill cycle)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per launch")
+    parser.add_argument("--profile-reps", type=int, default=1, metavar="N",
+                        help="profile one extra step per launch in the first N repetitions (0: none)")
     parser.add_argument("--model", action="append", default=[], metavar="KEY=INT",
                         help="model size override: vocab, hidden, intermediate, layers, heads, kv_heads")
     parser.add_argument("--out", default="benchmarks/results/runs.jsonl", help="JSON lines file to append to")
@@ -195,6 +297,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer-iters", type=int, default=0, metavar="N",
                         help="instead of training steps, time the attention layer alone (both wrappers "
                              "interleaved in one process group) for N iterations")
+    parser.add_argument("--tiled-iters", type=int, default=0, metavar="N",
+                        help="instead of training steps, time TiledMLP and sequence_tiled_compute against "
+                             "DeepSpeed's at equal shards (N interleaved iterations, one process per measurement)")
+    parser.add_argument("--max-seq", metavar="BUDGET", default=None,
+                        help="instead of a fixed S, search the longest S whose step fits BUDGET of RSS per rank "
+                             "(e.g. 4G) for each --impl / --variant")
+    parser.add_argument("--max-seq-step", default="1K", help="granularity of the --max-seq search")
+
+
+def parse_bytes(text: str) -> int:
+    """A memory budget: ``3G``, ``2.5GiB``, ``3000M``, ``512MiB`` (binary units) or plain bytes."""
+    text = str(text).strip()
+    number = text.rstrip("BbIi")
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(number[-1:].lower(), 1)
+    try:
+        value = float(number[:-1] if scale > 1 else number) * scale
+    except ValueError:
+        raise ValueError(f"expected a memory budget like 3G, 2.5GiB or 3000M, got {text!r}") from None
+    if value <= 0:
+        raise ValueError(f"expected a positive memory budget, got {text!r}")
+    return int(value)
 
 
 def _parse_pairs(pairs, what: str, value=json.loads) -> dict:
@@ -211,10 +334,10 @@ def _parse_pairs(pairs, what: str, value=json.loads) -> dict:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """The ``ds-ulysses bench`` runner: run, print this run's table, optionally write the report."""
+    """The ``ds-ulysses bench`` runner: run, print this run's tables, optionally write the report."""
     from ds_ulysses.config import UlyssesConfig
 
-    from .report import format_summary, write_report
+    from .report import format_run, write_report
 
     try:
         seq_lens = [parse_size(s) for s in args.seq_len]
@@ -222,16 +345,29 @@ def run_command(args: argparse.Namespace) -> int:
         variants = _parse_pairs(args.variant, "--variant")
         for name, section in variants.items():
             UlyssesConfig.from_dict({"sequence_parallel_size": 1, **section})
+        budget = parse_bytes(args.max_seq) if args.max_seq else None
+        granularity = parse_size(args.max_seq_step)
     except ValueError as exc:
         print(f"ds-ulysses bench: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    if args.layer_iters > 0 and not args.report_only:
+    if args.report_only:
+        pass
+    elif budget is not None:
+        from .maxseq import format_maxseq, run_maxseq
+
+        records = run_maxseq(budget, args.sp, args.impl, variants, out, model, granularity, args.timeout)
+        print(format_maxseq(records))
+    elif args.tiled_iters > 0:
+        from .tiled import format_tiled, run_tiled_suite
+
+        print(format_tiled(run_tiled_suite(seq_lens, args.tiled_iters, out, args.timeout)))
+    elif args.layer_iters > 0:
         run_layer_suite(seq_lens, args.sp, args.layer_iters, out, args.timeout)
-    elif not args.report_only:
+    else:
         records = run_suite(seq_lens, args.sp, args.impl, args.reps, args.steps, args.warmup, out,
-                            args.packed_docs, model, variants, args.timeout)
-        print(format_summary(summarize(records)))
+                            args.packed_docs, model, variants, args.timeout, args.noise, args.profile_reps)
+        print(format_run(records))
     if args.report:
         lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
         for path in write_report(lines, Path(args.report)):
@@ -248,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     ops.use_venv_cache()
-    ops.build()
+    if not args.report_only:
+        ops.build()
     return run_command(args)
 
 

@@ -9,12 +9,22 @@ Run by :mod:`benchmarks.bench` as ``python -m benchmarks.rank SPEC.json`` in fre
 - ``ours-dropin``: our drop-in API with exactly the same user code (the mechanism comparison).
 - ``ours``: ``ds_ulysses.initialize`` with the config's ``"ulysses"`` section and its defaults
   (the product comparison); the loss is ``engine(**batch).loss``.
+- ``deepspeed-alst``: DeepSpeed with every ALST tool it has, switched on as ArcticTraining's SFT
+  trainer does: DeepSpeed's ``TiledMLP`` on every MLP (``ceil(sl_l / h)`` tiles agreed by an
+  all_reduce, the three weights as ``compute_params``), DeepSpeed's ``TiledFusedLogitsLoss`` on the
+  decoder's hidden states (ArcticTraining's tile rule: about 1 GiB of fp32 logits per tile; summed
+  per-tile loss sums, divided by the valid count), gradient checkpointing (Transformers' default,
+  non-reentrant), and checkpoint offload, which on CPU is the identity (the checkpointed inputs are
+  already in host memory), then the tutorial's cross-rank aggregation.
 
 The model, the samples, the DeepSpeed config (ZeRO-3, parameters and optimizer offloaded to CPU)
-and the thread count are identical for all three. Measured per rank: each step's wall time
-(forward + backward + optimizer step, after a barrier), the RSS high-water mark of the process over
-its whole life and over the steps only (``/proc/self/clear_refs`` resets it after setup), and the
-collectives of the attention layers and of the adapter's refills (:mod:`benchmarks.tap`).
+and the thread count are identical for all. Each step is timed as a user's loop runs it, after a
+barrier: ``next(loader)`` (the adapter, refilling every sp steps), ``engine(**batch)`` with the loss,
+``engine.backward``, ``engine.step``; the slowest rank's time is the step's. Memory is the RSS
+high-water mark of the process over its setup and measured steps (``/proc/self/clear_refs`` resets it
+after setup for the step-only figure). With ``profile``, one more step runs under ``torch.profiler``
+(:mod:`benchmarks.profile`: seconds per phase), after the peak is read. The collectives of the
+attention layers and of the adapter's refills are counted by :mod:`benchmarks.tap`.
 """
 
 from __future__ import annotations
@@ -34,12 +44,13 @@ from .tap import CollectiveTap
 
 __all__ = ["IMPLEMENTATIONS", "MODEL_DEFAULTS", "ds_config", "make_dataset", "build_model", "tutorial_loss", "main"]
 
-IMPLEMENTATIONS = ("deepspeed", "ours-dropin", "ours")
+IMPLEMENTATIONS = ("deepspeed", "ours-dropin", "ours", "deepspeed-alst")
 MODEL_DEFAULTS = {"vocab": 32000, "hidden": 256, "intermediate": 688, "layers": 4, "heads": 8, "kv_heads": 2}
+ARCTIC_LOGITS_TILE_GIB = 1  # ArcticTraining's tiled loss: "about 1GB fp32 logits in a shard"
 
 
 def ds_config(sp: int) -> dict:
-    """The DeepSpeed config both implementations train with: ZeRO-3 with CPU offload, fp32."""
+    """The DeepSpeed config every implementation trains with: ZeRO-3 with CPU offload, fp32."""
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -107,13 +118,8 @@ class _AllGather(torch.autograd.Function):
         return grad[ctx.rank], None
 
 
-def tutorial_loss(engine, batch: dict, group) -> torch.Tensor:
-    """DeepSpeed's tutorial loss recipe: per-rank mean loss, weighted by per-rank token counts."""
-    shift_labels = batch.pop("shift_labels")
-    outputs = engine(**batch)
-    model = engine.module
-    loss = model.loss_function(logits=outputs.logits, labels=None, shift_labels=shift_labels,
-                               vocab_size=model.config.vocab_size)
+def _aggregate(loss: torch.Tensor, shift_labels: torch.Tensor, group) -> torch.Tensor:
+    """The tutorial's cross-rank step: per-rank mean losses weighted by per-rank valid-token counts."""
     good = (shift_labels != -100).sum().to(loss.dtype)
     if group is None or dist.get_world_size(group) == 1:
         return loss
@@ -124,6 +130,42 @@ def tutorial_loss(engine, batch: dict, group) -> torch.Tensor:
     return total / max(sum(goods), torch.ones_like(good))
 
 
+def tutorial_loss(engine, batch: dict, group) -> torch.Tensor:
+    """DeepSpeed's tutorial loss recipe: per-rank mean loss, weighted by per-rank token counts."""
+    shift_labels = batch.pop("shift_labels")
+    outputs = engine(**batch)
+    model = engine.module
+    loss = model.loss_function(logits=outputs.logits, labels=None, shift_labels=shift_labels,
+                               vocab_size=model.config.vocab_size)
+    return _aggregate(loss, shift_labels, group)
+
+
+def arctic_tiled_loss(engine, batch: dict, group) -> torch.Tensor:
+    """ArcticTraining's SP loss with DeepSpeed's ``TiledFusedLogitsLoss`` (its SFT trainer, our words):
+    the decoder's hidden states, per-tile loss sums over ~1 GiB fp32 logit tiles, "sum" reduction,
+    divided by the rank's valid-token count, then the tutorial's cross-rank aggregation."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+    shift_labels = batch.pop("shift_labels")
+    model = engine.module
+    hidden = model.model(**batch, use_cache=False).last_hidden_state  # [bs sl_l h]
+    bs, sl_l = shift_labels.shape
+    vocab = model.config.vocab_size
+    shards = max(1, math.ceil(bs * sl_l * vocab * 4 / 2**30 / ARCTIC_LOGITS_TILE_GIB))
+
+    def tile_loss_sum(owner, x, y):
+        logits = owner.lm_head(x)
+        valid = (y != -100).sum()
+        if valid == 0:  # cross-entropy of no tokens is NaN; keep the graph, add zero
+            return (logits.sum() * 0.0).float()
+        return owner.loss_function(logits=logits, labels=None, vocab_size=vocab, shift_labels=y) * valid
+
+    total = TiledFusedLogitsLoss.apply(tile_loss_sum, model, hidden, shift_labels, None, shards,
+                                       [model.lm_head.weight], "sum")
+    loss = total / max((shift_labels != -100).sum(), 1)
+    return _aggregate(loss, shift_labels, group)
+
+
 def _loader(data, world: int, rank: int):
     from torch.utils.data import DataLoader, DistributedSampler
 
@@ -131,24 +173,47 @@ def _loader(data, world: int, rank: int):
     return DataLoader(data, batch_size=1, sampler=sampler)
 
 
-def _deepspeed(model, spec, data, tap):
+def _tile_mlps_deepspeed(model, group) -> None:
+    """DeepSpeed's documented TiledMLP recipe on every Llama MLP: ``ceil(sl / h)`` tiles, agreed by an
+    all_reduce(MAX) at every call, the MLP's three weights as ``compute_params``."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    def mlp_forward(mlp, x):
+        return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+    def tiled_forward(mlp, x):
+        shards = torch.tensor(math.ceil(x.shape[-2] / x.shape[-1]))
+        dist.all_reduce(shards, op=dist.ReduceOp.MAX, group=group)
+        params = [mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
+        return TiledMLP.apply(mlp_forward, mlp, x, int(shards), params)
+
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "mlp":
+            module.forward = functools.partial(tiled_forward, module)
+
+
+def _deepspeed(model, spec, data, tap, regions, alst=False):
     import deepspeed
     from deepspeed.runtime.sequence_parallel import ulysses_sp
 
     sp = spec["sp"]
     tap.wrap_method(ulysses_sp.UlyssesSPAttentionHF, "forward", lambda _: f"attn_{tap_phase(tap)}")
     tap.wrap_method(ulysses_sp.UlyssesSPDataLoaderAdapter, "refill", lambda _: "refill")
+    regions.attention(ulysses_sp.UlyssesSPAttentionHF)
     mpu = ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1)
+    if alst:
+        _tile_mlps_deepspeed(model, None)
+        model.gradient_checkpointing_enable()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(sp),
                                       mpu=mpu)
     group = mpu.get_sequence_parallel_group() if mpu is not None else None
     sp_rank = mpu.get_sequence_parallel_rank() if mpu is not None else 0
     loader = ulysses_sp.UlyssesSPDataLoaderAdapter(_loader(data, dist.get_world_size(), dist.get_rank()),
                                                    sp_rank, group, sp, "cpu")
-    return engine, loader, functools.partial(tutorial_loss, group=group)
+    return engine, loader, functools.partial(arctic_tiled_loss if alst else tutorial_loss, group=group)
 
 
-def _ours_dropin(model, spec, data, tap):
+def _ours_dropin(model, spec, data, tap, regions):
     import deepspeed
 
     from ds_ulysses import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
@@ -157,6 +222,7 @@ def _ours_dropin(model, spec, data, tap):
     sp = spec["sp"]
     tap.wrap_method(attention.UlyssesAttention, "forward", lambda _: f"attn_{tap_phase(tap)}")
     tap.wrap_method(data_mod.UlyssesSPDataLoaderAdapter, "refill", lambda _: "refill")
+    regions.attention(attention.UlyssesAttention, "_gather_positions")
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(sp),
                                       mpu=mpu)
@@ -167,18 +233,20 @@ def _ours_dropin(model, spec, data, tap):
     return engine, loader, functools.partial(tutorial_loss, group=group)
 
 
-def _ours(model, spec, data, tap):
+def _ours(model, spec, data, tap, regions):
     import ds_ulysses
     from ds_ulysses.sp import attention, data as data_mod
 
     tap.wrap_method(attention.UlyssesAttention, "forward", lambda _: f"attn_{tap_phase(tap)}")
     tap.wrap_method(data_mod.UlyssesSPDataLoaderAdapter, "refill", lambda _: "refill")
+    regions.attention(attention.UlyssesAttention, "_gather_positions")
     config = {**ds_config(spec["sp"]), "ulysses": {"sequence_parallel_size": spec["sp"], **spec.get("section", {})}}
     engine, _, loader, _ = ds_ulysses.initialize(model=model, config=config, training_data=data)
     return engine, iter(loader), lambda engine, batch: engine(**batch).loss
 
 
-RECIPES = {"deepspeed": _deepspeed, "ours-dropin": _ours_dropin, "ours": _ours}
+RECIPES = {"deepspeed": _deepspeed, "ours-dropin": _ours_dropin, "ours": _ours,
+           "deepspeed-alst": functools.partial(_deepspeed, alst=True)}
 
 
 def tap_phase(tap) -> str:
@@ -202,57 +270,86 @@ def _reset_hwm() -> bool:
         return False
 
 
+def _step(engine, loader, loss_fn, tap):
+    """One user-loop step: (loss, [adapter, forward, backward, optimizer] seconds)."""
+    from torch.autograd.profiler import record_function
+
+    t0 = time.perf_counter()
+    tap.phase = "load"
+    with record_function("bench.adapter"):
+        batch = next(loader)
+    t1 = time.perf_counter()
+    tap.phase = "forward"
+    with record_function("bench.forward"):
+        loss = loss_fn(engine, batch)
+    t2 = time.perf_counter()
+    tap.phase = "backward"
+    with tap.scope("backward"), record_function("bench.backward"):
+        engine.backward(loss)
+    t3 = time.perf_counter()
+    tap.phase = "step"
+    with record_function("bench.step"):
+        engine.step()
+    t4 = time.perf_counter()
+    return loss, [t1 - t0, t2 - t1, t3 - t2, t4 - t3]
+
+
 def run(spec: dict) -> dict:
-    """Set up one implementation, train ``warmup + steps`` steps, return this rank's measurements."""
+    """Set up one implementation, train ``warmup + steps`` steps (plus one profiled step with
+    ``spec["profile"]``), return this rank's measurements."""
     import deepspeed
+
+    from .profile import Regions, phase_seconds
 
     torch.set_num_threads(spec.get("threads", 1))
     deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's comm layer and its mpu need it
     rank, world = dist.get_rank(), dist.get_world_size()
     tap = CollectiveTap().install()
     tap.phase = "setup"
+    regions = Regions()
     model_spec = {**MODEL_DEFAULTS, **spec.get("model", {})}
-    model = build_model(model_spec)
-    refills = math.ceil((spec["warmup"] + spec["steps"]) / spec["sp"]) + 1
+    model = build_model(model_spec).train()
+    total_steps = spec["warmup"] + spec["steps"] + (1 if spec.get("profile") else 0)
+    refills = math.ceil(total_steps / spec["sp"]) + 1
     data = make_dataset(world * refills, spec["seq_len"], model_spec["vocab"], spec.get("packed_docs", 0))
-    engine, loader, loss_fn = RECIPES[spec["impl"]](model, spec, data, tap)
+    impl = spec["impl"]
+    engine, loader, loss_fn = RECIPES[impl](model, spec, data, tap, regions)
+    regions.module(model.model, "bench.decoder")
     init_peak = _hwm_bytes()
     reset_ok = _reset_hwm()
-    times, phases, losses = [], [], []
+    times, phases, losses, step_peaks = [], [], [], []
+    refill = ({}, 0)
     for i in range(spec["warmup"] + spec["steps"]):
-        tap.phase = "load"
-        batch = next(loader)
         measured = i >= spec["warmup"]
         if measured and i == spec["warmup"]:
             refill = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
             tap.reset()
         dist.barrier()
-        start = time.perf_counter()
-        tap.phase = "forward"
-        loss = loss_fn(engine, batch)
-        forward_end = time.perf_counter()
-        tap.phase = "backward"
-        with tap.scope("backward"):
-            engine.backward(loss)
-        backward_end = time.perf_counter()
-        tap.phase = "step"
-        engine.step()
-        end = time.perf_counter()
+        loss, split = _step(engine, loader, loss_fn, tap)
         losses.append(float(loss.detach()))
+        step_peaks.append(_hwm_bytes())
         if measured:
-            times.append(end - start)
-            phases.append((forward_end - start, backward_end - forward_end, end - backward_end))
+            times.append(sum(split))
+            phases.append(split)
     if spec["warmup"] == 0:
         refill = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
     steps_peak = _hwm_bytes()
     result = {
         "rank": rank, "world": world, "times": times, "phases": phases, "losses": losses,
-        "init_peak": init_peak, "steps_peak": steps_peak if reset_ok else None,
+        "step_peaks": step_peaks, "init_peak": init_peak, "steps_peak": steps_peak if reset_ok else None,
         "peak": max(init_peak, steps_peak),
         "attn_forward": tap.tallies["attn_forward"].as_dict(), "attn_forward_calls": tap.counts["attn_forward"],
         "attn_backward": tap.tallies["attn_backward"].as_dict(), "backward": tap.tallies["backward"].as_dict(),
         "refill": refill[0], "refills": refill[1],
     }
+    if spec.get("profile"):
+        profile: dict = {}
+        regions.collectives()
+        dist.barrier()
+        with phase_seconds(profile):
+            _step(engine, loader, loss_fn, tap)
+        result["profile"] = profile
+    regions.uninstall()
     dist.barrier()
     dist.destroy_process_group()
     return result
@@ -270,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         from .layer import run as run_layer
 
         result = run_layer(spec["seq_len"], spec["iters"])
+    elif spec["impl"] == "tiled":
+        from .tiled import run as run_tiled
+
+        result = run_tiled(spec["op"], spec["seq_len"], spec["iters"], spec.get("model"))
     else:
         result = run(spec)
     with open(f"{argv[0]}.rank{os.environ['RANK']}.json", "w") as f:

@@ -1,31 +1,45 @@
 """Markdown tables and PNG plots from benchmark records (``ds-ulysses bench --report DIR``).
 
-Two comparisons, each ours / DeepSpeed on the same (S, sp, packing), with the issue's targets:
+Every ratio is ours / DeepSpeed within one repetition of one run (same configuration, launched
+back to back in rotating order), reported as the median over repetitions with its spread
+(``[min-max]``). The noise of a configuration is what the same code does to the ratio: the
+``deepspeed[again]`` arm against ``deepspeed``, ``n = max |ratio - 1|`` over its repetitions. A
+verdict is claimed only beyond the noise:
 
-- mechanism: ``ours-dropin`` vs ``deepspeed`` (same user code): time <= 1.0, memory <= 1.0;
-- product: ``ours`` (and ``ours[variant]``) vs ``deepspeed``: memory <= 0.6, time <= 0.95 on
-  whole-sequence samples, time <= 0.7 on packed ones.
+- against 1 (ours vs DeepSpeed): ``faster``/``slower`` (``smaller``/``larger``) when ``|r - 1| > n``,
+  else ``same within noise``;
+- against a target ``t``: ``met`` when ``r + n <= t``, ``missed`` when ``r - n > t``, otherwise
+  ``undecided`` (the target lies inside the noise band).
 
-A missed target is printed with the amount it was missed by; the reasons live in the README's
-Benchmarks section, next to the measurements that explain them.
+Targets (issue 15): mechanism (``ours-dropin``) time and memory <= 1.0 at every length; product
+(``ours``, defaults) time <= 0.95 and memory <= 0.6 at S >= 16K; packed product time <= 0.7.
 """
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from ds_ulysses.constants import GIB
 
-from .bench import summarize
+from .bench import NOISE_ARM, launch_peak, launch_time, model_key, summarize
 from .rank import MODEL_DEFAULTS
 
-__all__ = ["format_summary", "write_report", "ratio_rows", "ulysses_min_bytes", "TARGETS"]
+__all__ = ["format_group", "format_run", "write_report", "ratio_rows", "noise_of", "verdict", "target_verdict",
+           "ulysses_min_bytes", "targets", "PROFILE_COLUMNS"]
 
-TARGETS = {  # (comparison, packed) -> (time target, memory target); None: no target
-    ("mechanism", False): (1.0, 1.0), ("mechanism", True): (1.0, 1.0),
-    ("product", False): (0.95, 0.6), ("product", True): (0.7, None),
-}
-PRODUCT_SEQ_LEN = 16384  # the product targets are stated at S = 16K, sp 2 (vocab 32K)
+PRODUCT_MIN_SEQ = 16384  # the product targets are stated at S = 16K and 32K
+
+
+def targets(name: str, seq_len: int, packed: int):
+    """(time target, memory target) of an arm at (S, packed); None where the issue sets none."""
+    if name == "ours-dropin":
+        return 1.0, 1.0
+    if name == "ours":
+        if packed:
+            return 0.7, None
+        return (0.95, 0.6) if seq_len >= PRODUCT_MIN_SEQ else (None, None)
+    return None, None
 
 
 def ulysses_min_bytes(model: dict, seq_len: int, sp: int, itemsize: int = 4) -> float:
@@ -38,68 +52,91 @@ def ulysses_min_bytes(model: dict, seq_len: int, sp: int, itemsize: int = 4) -> 
     return per_token * seq_len / sp * itemsize
 
 
-def _verdict(value: float, target) -> str:
+# -- ratios, noise, verdicts ------------------------------------------------------------------------
+def _config(rec: dict) -> tuple:
+    return rec["seq_len"], rec["sp"], rec.get("packed_docs", 0), model_key(rec.get("model"))
+
+
+def paired(records: list[dict]) -> dict:
+    """(name, S, sp, packed, model) -> [(time ratio, memory ratio)], one per repetition: each launch over
+    the ``deepspeed`` launch of the same run and repetition."""
+    runs = [r for r in records if "error" not in r and r.get("kind", "step") == "step" and "rep" in r]
+    base = {(r.get("run"), r["rep"], *_config(r)): r for r in runs if r["name"] == "deepspeed"}
+    out: dict = {}
+    for rec in runs:
+        ds = base.get((rec.get("run"), rec["rep"], *_config(rec)))
+        if rec["name"] == "deepspeed" or ds is None:
+            continue
+        out.setdefault((rec["name"], *_config(rec)), []).append(
+            (launch_time(rec) / launch_time(ds), launch_peak(rec) / launch_peak(ds)))
+    return out
+
+
+def noise_of(pairs: dict, config: tuple) -> tuple[float, float, int] | None:
+    """(time noise, memory noise, repetitions) of a configuration: max |ratio - 1| of the noise arm."""
+    same = pairs.get((NOISE_ARM, *config))
+    if not same:
+        return None
+    return max(abs(t - 1) for t, _ in same), max(abs(m - 1) for _, m in same), len(same)
+
+
+def verdict(ratio: float, noise: float | None, less: str = "faster", more: str = "slower") -> str:
+    if noise is None:
+        return "no noise measured"
+    if abs(ratio - 1) <= noise:
+        return "same within noise"
+    return less if ratio < 1 else more
+
+
+def target_verdict(ratio: float, noise: float | None, target: float | None) -> str:
     if target is None:
         return "-"
-    return "met" if value <= target else f"missed by {value / target - 1:+.1%}"
+    if noise is None:
+        return f"{'met' if ratio <= target else 'missed'} (noise not measured)"
+    if ratio + noise <= target:
+        return "met"
+    if ratio - noise > target:
+        return f"missed by {ratio / target - 1:+.1%}"
+    return "undecided (target within noise)"
 
 
-def paired_ratios(records: list[dict]) -> dict:
-    """(name, S, sp, packed) -> median over its launches of (its step time / the nearest DeepSpeed launch's).
-
-    Machine load on a shared box drifts over minutes, so launches are compared with their nearest
-    DeepSpeed neighbour in run order (the mean of both when equidistant) rather than pooled:
-    a pooled median mixes quiet and busy periods unevenly between implementations.
-    """
-    import statistics
-
-    runs = [r for r in records if "error" not in r and r.get("kind") != "layer"]
-
-    def step(rec):
-        return statistics.median(max(t) for t in zip(*(r["times"] for r in rec["ranks"])))
-
-    def peak(rec):
-        return max(r["peak"] for r in rec["ranks"])
-
-    out: dict = {}
-    for i, rec in enumerate(runs):
-        key = (rec["seq_len"], rec["sp"], rec.get("packed_docs", 0))
-        ds = [(abs(j - i), other) for j, other in enumerate(runs)
-              if other["name"] == "deepspeed" and (other["seq_len"], other["sp"], other.get("packed_docs", 0)) == key]
-        if rec["name"] == "deepspeed" or not ds:
-            continue
-        nearest = min(d for d, _ in ds)
-        peers = [o for d, o in ds if d == nearest]
-        t = step(rec) / statistics.mean(step(o) for o in peers)
-        m = peak(rec) / statistics.mean(peak(o) for o in peers)
-        out.setdefault((rec["name"], *key), []).append((t, m))
-    return {k: (statistics.median(t for t, _ in v), statistics.median(m for _, m in v), len(v)) for k, v in out.items()}
+def _spread(values: list[float], digits: int = 2) -> str:
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
 
-def ratio_rows(summary: dict, records: list[dict] | None = None) -> list[dict]:
-    """One row per implementation compared with ``deepspeed`` on the same (S, sp, packed); with
-    ``records``, the ratios are the paired ones (:func:`paired_ratios`)."""
-    paired = paired_ratios(records) if records else {}
+def ratio_rows(records: list[dict]) -> list[dict]:
+    """One row per (arm, configuration) with a DeepSpeed pair: ratios, spread, noise, verdicts."""
+    pairs = paired(records)
+    summary = summarize(records)
     rows = []
-    for (name, s, sp, packed), ours in sorted(summary.items(), key=lambda kv: (kv[0][3], kv[0][1], kv[0][2], kv[0][0])):
-        ds = summary.get(("deepspeed", s, sp, packed))
-        if name == "deepspeed" or ds is None:
-            continue
-        comparison = "mechanism" if name == "ours-dropin" else "product"
-        t_target, m_target = TARGETS[(comparison, bool(packed))]
-        if sp == 1:  # no SP: both columns run the same code, so the ratio is this machine's noise
-            comparison, t_target, m_target = "no SP (noise floor)", None, None
-        elif comparison == "product" and (s != PRODUCT_SEQ_LEN or sp != 2):
-            t_target = m_target = None
-        t, m = ours["time"] / ds["time"], ours["peak"] / ds["peak"]
-        if (name, s, sp, packed) in paired:
-            t, m, _ = paired[(name, s, sp, packed)]
-        rows.append({"comparison": comparison, "name": name, "S": s, "sp": sp, "packed": packed,
-                     "ds_time": ds["time"], "time": ours["time"], "time_ratio": t, "time_verdict": _verdict(t, t_target),
-                     "ds_peak": ds["peak"], "peak": ours["peak"], "mem_ratio": m, "mem_verdict": _verdict(m, m_target),
-                     "steps_ratio": ours["steps_peak"] / ds["steps_peak"], "ds_loss": ds["loss"], "loss": ours["loss"],
-                     "launches": f"{ds['launches']}/{ours['launches']}"})
+    for (name, s, sp, packed, model), values in sorted(pairs.items(), key=lambda kv: (kv[0][4], kv[0][3], kv[0][1],
+                                                                                     kv[0][2], kv[0][0])):
+        config = (s, sp, packed, model)
+        noise = noise_of(pairs, config)
+        n_t, n_m = (noise[0], noise[1]) if noise else (None, None)
+        times, mems = [t for t, _ in values], [m for _, m in values]
+        t, m = statistics.median(times), statistics.median(mems)
+        t_target, m_target = targets(name, s, packed)
+        ds, ours = summary.get(("deepspeed", *config)), summary.get((name, *config))
+        rows.append({
+            "name": name, "S": s, "sp": sp, "packed": packed, "model": model, "reps": len(values),
+            "time_ratio": t, "times": times, "mem_ratio": m, "mems": mems, "noise_time": n_t, "noise_mem": n_m,
+            "time_verdict": verdict(t, n_t), "mem_verdict": verdict(m, n_m, "smaller", "larger"),
+            "time_target": t_target, "mem_target": m_target,
+            "time_target_verdict": target_verdict(t, n_t, t_target),
+            "mem_target_verdict": target_verdict(m, n_m, m_target),
+            "ds_time": ds["time"] if ds else float("nan"), "time": ours["time"] if ours else float("nan"),
+            "ds_peak": ds["peak"] if ds else float("nan"), "peak": ours["peak"] if ours else float("nan"),
+            "ds_loss": ds["loss"] if ds else float("nan"), "loss": ours["loss"] if ours else float("nan"),
+        })
     return rows
+
+
+def _k(s: int) -> str:
+    return f"{s // 1024}K" if s % 1024 == 0 else str(s)
 
 
 def _table(header: list[str], rows: list[list]) -> str:
@@ -108,25 +145,119 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def _k(s: int) -> str:
-    return f"{s // 1024}K" if s % 1024 == 0 else str(s)
+def _noise_text(n) -> str:
+    return "-" if n is None else f"±{n:.1%}"
 
 
-def format_ratios(summary: dict, records: list[dict] | None = None) -> str:
-    rows = [[r["comparison"], r["name"], _k(r["S"]), r["sp"], r["packed"] or "-",
-             f"{r['ds_time']:.2f}", f"{r['time']:.2f}", f"**{r['time_ratio']:.2f}**", r["time_verdict"],
-             f"{r['ds_peak'] / GIB:.2f}", f"{r['peak'] / GIB:.2f}", f"**{r['mem_ratio']:.3f}**", r["mem_verdict"],
-             f"{r['steps_ratio']:.2f}", f"{r['ds_loss']:.4f} / {r['loss']:.4f}", r["launches"]]
-            for r in ratio_rows(summary, records)]
-    return _table(["comparison", "ours", "S", "sp", "docs/sample", "DeepSpeed s/step", "ours s/step", "time ratio",
-                   "time target", "DeepSpeed peak GiB", "ours peak GiB", "memory ratio", "memory target",
-                   "step-only peak ratio", "first loss DS / ours", "launches DS/ours"], rows)
+def _target_text(target, text) -> str:
+    return "-" if target is None else f"<= {target:g}: {text}"
+
+
+def format_ratios(records: list[dict]) -> str:
+    rows = []
+    for r in ratio_rows(records):
+        rows.append([r["name"], _k(r["S"]), r["sp"], r["packed"] or "-", r["model"] or "default",
+                     f"{r['ds_time']:.2f}", f"{r['time']:.2f}", f"**{_spread(r['times'])}**",
+                     _noise_text(r["noise_time"]),
+                     r["time_verdict"], _target_text(r["time_target"], r["time_target_verdict"]),
+                     f"{r['ds_peak'] / GIB:.2f}", f"{r['peak'] / GIB:.2f}", f"**{_spread(r['mems'], 3)}**",
+                     _noise_text(r["noise_mem"]), r["mem_verdict"],
+                     _target_text(r["mem_target"], r["mem_target_verdict"]),
+                     f"{r['ds_loss']:.4f} / {r['loss']:.4f}", r["reps"]])
+    return _table(["arm", "S", "sp", "docs", "model", "DS s/step", "arm s/step", "time ratio [min-max]", "noise",
+                   "vs DS", "time target", "DS peak GiB", "arm peak GiB", "memory ratio [min-max]", "noise", "vs DS",
+                   "memory target", "first loss DS / arm", "reps"], rows)
+
+
+# -- the per-phase profile ---------------------------------------------------------------------------
+PROFILE_COLUMNS = (  # (header, phases summed)
+    ("adapter", ("adapter",)),
+    ("position gather", ("positions",)),
+    ("all-to-alls fwd+bwd (collective)", ("a2a_fwd", "a2a_bwd")),
+    ("attention kernel fwd+bwd", ("core_fwd", "core_bwd")),
+    ("other layers fwd+bwd", ("layers_fwd", "layers_bwd")),
+    ("head + loss fwd+bwd", ("loss_fwd", "loss_bwd")),
+    ("backward: ZeRO, accumulation", ("zero_bwd",)),
+    ("optimizer", ("optimizer",)),
+)
+
+
+def _profile_cells(p: dict) -> list[str]:
+    cells = []
+    for header, keys in PROFILE_COLUMNS:
+        value = sum(p[k] for k in keys)
+        if keys == ("a2a_fwd", "a2a_bwd"):
+            cells.append(f"{value:.3f} ({p['a2a_collective']:.3f})")
+        else:
+            cells.append(f"{value:.3f}")
+    return cells
+
+
+def format_profile(summary: dict) -> str:
+    """Seconds per step and phase of the profiled step (mean over ranks and profiled launches), and per
+    (S, sp) the difference ours-dropin - deepspeed: what the mechanism spends that DeepSpeed does not."""
+    rows = []
+    keys = sorted((k for k, v in summary.items() if v["profile"]), key=lambda k: (k[4], k[3], k[2], k[1], k[0]))
+    for key in keys:
+        name, s, sp, packed, model = key
+        p = summary[key]["profile"]
+        rows.append([name, _k(s), sp, packed or "-", model or "default", *_profile_cells(p), f"{p['total']:.2f}",
+                     f"{summary[key]['time']:.2f}"])
+        ds = summary.get(("deepspeed", s, sp, packed, model))
+        if name == "ours-dropin" and ds and ds["profile"]:
+            diff = {k: p[k] - ds["profile"][k] for k in p}
+            rows.append(["*ours-dropin - deepspeed*", _k(s), sp, packed or "-", model or "default",
+                         *(f"*{c}*" for c in _profile_cells(diff)), f"*{diff['total']:+.2f}*",
+                         f"*{summary[key]['time'] - ds['time']:+.2f}*"])
+    return _table(["arm", "S", "sp", "docs", "model", *(h for h, _ in PROFILE_COLUMNS), "profiled step s",
+                   "measured s/step"], rows)
+
+
+def format_noise(records: list[dict]) -> str:
+    pairs = paired(records)
+    rows = []
+    for (name, s, sp, packed, model), values in sorted(pairs.items(), key=lambda kv: (kv[0][4], kv[0][3], kv[0][2],
+                                                                                     kv[0][1])):
+        if name != NOISE_ARM:
+            continue
+        rows.append([_k(s), sp, packed or "-", model or "default", len(values),
+                     ", ".join(f"{t:.3f}" for t, _ in values), f"±{max(abs(t - 1) for t, _ in values):.1%}",
+                     ", ".join(f"{m:.3f}" for _, m in values), f"±{max(abs(m - 1) for _, m in values):.1%}"])
+    return _table(["S", "sp", "docs", "model", "reps", "time ratios deepspeed[again] / deepspeed", "time noise",
+                   "memory ratios", "memory noise"], rows)
+
+
+def format_group(records: list[dict]) -> str:
+    """What ``bench`` prints after each (S, sp): the ratios and the profile of those launches."""
+    return "\n" + format_ratios(records) + "\n\n" + format_profile(summarize(records)) + "\n"
+
+
+def format_run(records: list[dict]) -> str:
+    """What ``bench`` prints at the end: noise, ratios, profile, every measurement."""
+    summary = summarize(records)
+    return "\n\n".join(["## Noise (DeepSpeed against itself)", format_noise(records),
+                        "## Ratios", format_ratios(records),
+                        "## Seconds per phase (one profiled step)", format_profile(summary),
+                        "## Every measurement", format_summary(summary)])
+
+
+def format_summary(summary: dict) -> str:
+    """Every measured (arm, S, sp, packing, model): medians and the step's split."""
+    rows = []
+    for (name, s, sp, packed, model), v in sorted(summary.items(), key=lambda kv: (kv[0][4], kv[0][3], kv[0][2],
+                                                                                  kv[0][1], kv[0][0])):
+        split = " / ".join(f"{x:.2f}" for x in v["phases"])
+        rows.append([name, _k(s), sp, packed or "-", model or "default", f"{v['time']:.2f}", split,
+                     f"{v['peak'] / GIB:.2f}", f"{v['steps_peak'] / GIB:.2f}", f"{v['loss']:.4f}",
+                     f"{v['launches']} x {v['steps'] // max(1, v['launches'])}"])
+    return _table(["arm", "S", "sp", "docs", "model", "s/step", "adapter / fwd / bwd / optimizer s", "peak GiB",
+                   "step-only peak GiB", "first loss", "launches x steps"], rows)
 
 
 def format_comm(summary: dict) -> str:
     rows = []
-    for (name, s, sp, packed), v in sorted(summary.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
-        if sp == 1 or packed or "[" in name:
+    for (name, s, sp, packed, model), v in sorted(summary.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+        if sp == 1 or packed or "[" in name or name == "deepspeed-alst":
             continue
         calls = ", ".join(f"{n:g} {op}" for op, n in sorted(v["attn_calls"].items()))
         minimum = ulysses_min_bytes(v["model"], s, sp)
@@ -139,21 +270,7 @@ def format_comm(summary: dict) -> str:
                    "adapter KiB received/refill/rank", "adapter collectives/refill"], rows)
 
 
-def format_variants(summary: dict, sections: dict) -> str:
-    """``ours[variant]`` runs (issue 5: each ALST switch off/on) against the ``none`` variant."""
-    rows = []
-    for (name, s, sp, packed), v in sorted(summary.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
-        if not name.startswith("ours[") or packed:
-            continue
-        base = summary.get(("ours[none]", s, sp, packed))
-        rel = f"{v['peak'] / base['peak']:.2f}" if base else "-"
-        rows.append([name, _k(s), sp, f"`{sections.get(name, {})}`", f"{v['peak'] / GIB:.2f}",
-                     f"{v['steps_peak'] / GIB:.2f}", rel, f"{v['time']:.2f}"])
-    return _table(["variant", "S", "sp", "ulysses section override", "peak GiB", "step-only peak GiB",
-                   "peak vs none", "s/step"], rows)
-
-
-def planner_rows(summary: dict, sections: dict) -> list[list]:
+def planner_rows(summary: dict) -> list[list]:
     """Measured CPU peaks next to :func:`ds_ulysses.planner.cpu_rss`, anchored at an S=64 run.
 
     The prediction is the measured RSS of DeepSpeed's run of the same model and config at S=64
@@ -163,14 +280,15 @@ def planner_rows(summary: dict, sections: dict) -> list[list]:
     from ds_ulysses.planner import ModelDims, cpu_rss
 
     rows = []
-    for (name, s, sp, packed), v in sorted(summary.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
-        intercept = summary.get(("deepspeed", 64, sp, 0))
-        if packed or intercept is None or s == 64:
+    for (name, s, sp, packed, model), v in sorted(summary.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
+        intercept = summary.get(("deepspeed", 64, sp, 0, model))
+        if packed or intercept is None or s == 64 or name in (NOISE_ARM, "deepspeed-alst"):
             continue
         m = {**MODEL_DEFAULTS, **v["model"]}
         dims = ModelDims(m["hidden"], m["intermediate"], m["layers"], m["heads"], m["kv_heads"],
                          m["hidden"] // m["heads"], m["vocab"])
-        section = sections.get(name, {"tiled_loss": {"enabled": False}})  # tutorial loss: untiled
+        untiled = {"tiled_loss": {"enabled": False}}
+        section = v["section"] if name.startswith("ours") and name != "ours-dropin" else untiled
         predicted = intercept["peak"] + cpu_rss(dims, s, sp, section, 0.0) - cpu_rss(dims, 64, sp, section, 0.0)
         rows.append([name, _k(s), sp, f"{v['peak'] / GIB:.2f}", f"{predicted / GIB:.2f}",
                      f"{predicted / v['peak'] - 1:+.0%}"])
@@ -188,18 +306,6 @@ def format_layer(records: list[dict]) -> str:
     return _table(["S", "sp", "iterations", "DeepSpeed s", "ours s", "ours / DS", "same output and grad"], rows)
 
 
-def format_summary(summary: dict) -> str:
-    """Every measured (implementation, S, sp, packing): medians and the step's phase split."""
-    rows = []
-    for (name, s, sp, packed), v in sorted(summary.items(), key=lambda kv: (kv[0][3], kv[0][2], kv[0][1], kv[0][0])):
-        fwd, bwd, opt = v["phases"]
-        rows.append([name, _k(s), sp, packed or "-", f"{v['time']:.2f}", f"{fwd:.2f} / {bwd:.2f} / {opt:.2f}",
-                     f"{v['peak'] / GIB:.2f}", f"{v['steps_peak'] / GIB:.2f}", f"{v['loss']:.4f}",
-                     f"{v['launches']} x {v['steps'] // max(1, v['launches'])}"])
-    return _table(["impl", "S", "sp", "docs/sample", "s/step", "fwd / bwd / optimizer s", "peak GiB",
-                   "step-only peak GiB", "first loss", "launches x steps"], rows)
-
-
 def _plot(summary: dict, key: str, ylabel: str, path: Path, scale: float = 1.0) -> Path:
     import matplotlib
 
@@ -207,11 +313,11 @@ def _plot(summary: dict, key: str, ylabel: str, path: Path, scale: float = 1.0) 
     import matplotlib.pyplot as plt
 
     lines: dict = {}
-    for (name, s, sp, packed), v in summary.items():
-        if not packed and "[" not in name and s >= 1024:
+    for (name, s, sp, packed, model), v in summary.items():
+        if not packed and not model and name in ("deepspeed", "ours-dropin", "ours", "deepspeed-alst") and s >= 1024:
             lines.setdefault((name, sp), []).append((s, v[key] / scale))
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    styles = {"deepspeed": "o--", "ours-dropin": "s-", "ours": "^-"}
+    styles = {"deepspeed": "o--", "ours-dropin": "s-", "ours": "^-", "deepspeed-alst": "d:"}
     for (name, sp), points in sorted(lines.items()):
         points.sort()
         ax.plot([p[0] for p in points], [p[1] for p in points], styles.get(name, "x-"), label=f"{name} sp={sp}")
@@ -235,30 +341,47 @@ def _failures(records: list[dict]) -> list[str]:
     return ["## Launches that failed", _table(["impl", "S", "sp", "docs/sample", "last error line"], rows)]
 
 
+def _dates(records: list[dict]) -> str:
+    dates = sorted(r["date"] for r in records if "date" in r)
+    return f"{dates[0]} to {dates[-1]}" if dates else "unknown dates"
+
+
 def write_report(records: list[dict], out_dir: Path) -> list[Path]:
-    """``results.md`` (every table) plus ``memory_vs_seq.png`` and ``time_vs_seq.png`` in ``out_dir``."""
+    """``results.md`` (every table) plus the plots in ``out_dir``."""
+    from .maxseq import format_maxseq, plot_maxseq
+    from .tiled import format_tiled
+
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(records)
-    sections = {r["name"]: r.get("section", {}) for r in records if r.get("impl") == "ours"}
-    records = [r for r in records if "error" not in r] + [r for r in records if "error" in r]
-    text = "\n\n".join([
+    ok = [r for r in records if "error" not in r]
+    maxseq = [r for r in ok if r.get("kind") == "maxseq"]
+    tiled = [r for r in ok if r.get("kind") == "tiled"]
+    sections = [
         "# ds_ulysses vs DeepSpeed ALST (CPU, gloo, ZeRO-3 + CPU offload)",
-        "Generated by `ds-ulysses bench --report`; medians over alternating fresh launches.",
-        "## Ratios ours / DeepSpeed",
-        "s/step and GiB columns: pooled medians; ratio columns: median over launches of each launch / its "
-        "nearest DeepSpeed launch in run order (load on a shared machine drifts between periods).",
-        format_ratios(summary, records),
+        f"Generated by `ds-ulysses bench --report` from {len(records)} records ({_dates(records)}).",
+        "## Noise: DeepSpeed against itself in the same runs", format_noise(ok),
+        "## Ratios arm / DeepSpeed (per repetition, median [min-max]; verdicts only beyond the noise)",
+        format_ratios(ok),
+        "## Seconds per phase (one profiled step per launch of the first repetition)", format_profile(summary),
+    ]
+    if maxseq:
+        sections += ["## Longest sequence in a per-rank RSS budget", format_maxseq(maxseq)]
+    if tiled:
+        sections += ["## TiledMLP and sequence_tiled_compute vs DeepSpeed's, equal shards", format_tiled(tiled)]
+    if any(r.get("kind") == "layer" for r in ok):
+        sections += ["## The attention layer alone (both wrappers interleaved per iteration)", format_layer(ok)]
+    sections += [
         "## Communication per attention layer and per adapter refill", format_comm(summary),
-        "## The attention layer alone (both wrappers interleaved per iteration, same process group)",
-        format_layer(records),
-        "## Peak memory per ALST switch (ours, issue 5)", format_variants(summary, sections),
         "## Planner prediction vs measured CPU peak RSS",
         "Prediction = DeepSpeed's measured RSS at S=64 (same model and config: runtime + model states) + the planner's "
         "S-dependent terms (`ds_ulysses.planner.cpu_rss`).",
-        _table(["impl", "S", "sp", "measured peak GiB", "predicted GiB", "error"], planner_rows(summary, sections)),
+        _table(["impl", "S", "sp", "measured peak GiB", "predicted GiB", "error"], planner_rows(summary)),
         "## Every measurement", format_summary(summary),
-    ] + _failures(records)) + "\n"
+    ] + _failures(records)
     md = out_dir / "results.md"
-    md.write_text(text)
-    return [md, _plot(summary, "peak", "peak RSS per rank (GiB)", out_dir / "memory_vs_seq.png", GIB),
-            _plot(summary, "time", "step time (s, forward+backward+step)", out_dir / "time_vs_seq.png")]
+    md.write_text("\n\n".join(sections) + "\n")
+    paths = [md, _plot(summary, "peak", "peak RSS per rank (GiB)", out_dir / "memory_vs_seq.png", GIB),
+             _plot(summary, "time", "step time (s, adapter+forward+backward+step)", out_dir / "time_vs_seq.png")]
+    if maxseq:
+        paths.append(plot_maxseq(maxseq, out_dir / "max_seq.png"))
+    return paths

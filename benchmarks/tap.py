@@ -3,8 +3,9 @@
 The benchmark compares communication of DeepSpeed's ALST module and ours, so the count comes from
 outside both (neither library keeps counters). Both end in ``torch.distributed.<collective>`` looked
 up at call time (DeepSpeed through ``deepspeed.comm``'s torch backend), so replacing those attributes
-in the benchmark process sees every call. A call is charged to the innermost active *scope* (``attn_forward``, ``refill``, ...);
-calls outside any scope (ZeRO-3's parameter gathers, gradient reduce-scatters) are not counted.
+in the benchmark process sees every call. A call is charged to the innermost active *scope*
+(``attn_forward``, ``refill``, ...); calls outside any scope (ZeRO-3's parameter gathers, gradient
+reduce-scatters) are not counted.
 
 Bytes are counted two ways per call: ``sent`` is the size of the send buffer (what the Ulysses
 minimum ``4 S h / sp`` per layer counts), ``off_rank`` is the part that leaves the process (the send

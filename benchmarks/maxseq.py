@@ -1,0 +1,151 @@
+"""The longest sequence whose training step fits a per-rank memory budget (``ds-ulysses bench --max-seq``).
+
+For each arm (DeepSpeed's tutorial recipe, DeepSpeed with every ALST tool as ArcticTraining sets
+it up, our defaults, any ``ours[variant]``), at the same sp and on the same model, a *probe* is one
+fresh launch (:func:`benchmarks.bench.launch`) of one whole training step at length S: it fits when
+every rank's RSS high-water mark (setup included) stays within the budget. A probe is stopped the
+moment a rank passes the budget, so a length that does not fit costs only the time to get there.
+
+The search keeps the longest length that fitted (``lo``) and the shortest that did not (``hi``) and
+probes the length a straight line through the two longest fitting probes predicts for the budget
+(peak RSS grows linearly with S for a fixed setup; where it does not, e.g. a tile count that jumps,
+the bracket still closes), clamped inside the bracket, until ``hi - lo`` is the granularity. It
+starts from two short probes, so most of its time goes to the few probes near the answer. The
+result is ``lo``: measured to fit, with ``lo + granularity`` measured not to.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from ds_ulysses.constants import GIB
+
+__all__ = ["search", "run_maxseq", "format_maxseq", "plot_maxseq", "START"]
+
+START = 2048  # the first probe; the second is twice as long
+
+
+def search(probe, budget: int, granularity: int, start: int = START, max_probes: int = 12, log=print) -> dict:
+    """Longest multiple of ``granularity`` whose ``probe(S) -> peak bytes or None (over budget)`` fits.
+
+    Returns ``{"max_seq", "next_failed", "probes": [[S, peak or None], ...]}``.
+    """
+    fits: dict[int, int] = {}
+    lo, hi = 0, math.inf
+    length = max(granularity, start // granularity * granularity)
+    probes = []
+    while len(probes) < max_probes:
+        peak = probe(length)
+        probes.append([length, peak])
+        log(f"  S={length:>7}: " + (f"peak {peak / GIB:.2f} GiB, fits" if peak is not None else "over budget"))
+        if peak is not None:
+            fits[length], lo = peak, max(lo, length)
+        else:
+            hi = min(hi, length)
+        if hi - lo <= granularity:
+            break
+        if len(fits) < 2:  # not enough points for a line yet: double, or halve below the shortest failure
+            length = 2 * lo if peak is not None else max(granularity, (lo + hi) // 2 // granularity * granularity)
+            if length >= hi:
+                length = (lo + hi) // 2 // granularity * granularity
+            if length <= lo:
+                break
+            continue
+        (s1, p1), (s2, p2) = sorted(fits.items())[-2:]
+        slope = (p2 - p1) / (s2 - s1)
+        guess = s2 + (budget - p2) / slope if slope > 0 else 2 * s2
+        length = int(guess // granularity * granularity)
+        length = min(max(length, lo + granularity), (hi - granularity) if hi < math.inf else length)
+        if hi < math.inf and length == hi - granularity and length - lo > 4 * granularity:
+            length = (lo + hi) // 2 // granularity * granularity  # the line aims at the failure: bisect instead
+    return {"max_seq": lo, "next_failed": hi if hi < math.inf else None, "probes": probes}
+
+
+def run_maxseq(budget: int, sps, impls, variants: dict, out: Path, model: dict | None = None, granularity: int = 1024,
+               timeout: float = 1800.0, log=print) -> list[dict]:
+    """Search every arm at every sp; one record per arm appended to ``out``."""
+    from .bench import OverBudget, _workdir, arms, launch
+
+    records = []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for sp in sps:
+        step = math.lcm(granularity, sp)
+        for name, impl, variant, section in arms(impls, variants, noise=False):
+            log(f"{name} sp={sp}: searching the longest S within {budget / GIB:.2f} GiB per rank")
+
+            def probe(seq_len, impl=impl, section=section):
+                spec = {"impl": impl, "seq_len": seq_len, "sp": sp, "steps": 1, "warmup": 0, "packed_docs": 0,
+                        "model": model or {}, "section": section, "profile": False}
+                try:
+                    ranks = launch(spec, sp, _workdir(), timeout, rss_limit=budget)
+                except OverBudget:
+                    return None
+                peak = max(r["peak"] for r in ranks)
+                return peak if peak <= budget else None
+
+            begin = time.monotonic()
+            found = search(probe, budget, step, log=log)
+            record = {"kind": "maxseq", "name": name, "impl": impl, "variant": variant, "section": section, "sp": sp,
+                      "budget": budget, "granularity": step, "model": model or {}, **found,
+                      "seconds": time.monotonic() - begin, "date": time.strftime("%Y-%m-%d %H:%M")}
+            with open(out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            records.append(record)
+            log(f"{name} sp={sp}: longest S {found['max_seq']} ({len(found['probes'])} probes, "
+                f"{record['seconds']:.0f}s)")
+    return records
+
+
+def format_maxseq(records: list[dict]) -> str:
+    """One row per (budget, sp, arm): the longest S, the next length measured not to fit, ratios to
+    DeepSpeed's tutorial recipe and to DeepSpeed with every ALST tool."""
+    from .report import _k, _table
+
+    latest = {}
+    for rec in records:
+        latest[(rec["budget"], rec["sp"], json.dumps(rec.get("model", {}), sort_keys=True), rec["name"])] = rec
+    rows = []
+    for (budget, sp, model, name), rec in sorted(latest.items()):
+        base = latest.get((budget, sp, model, "deepspeed"))
+        alst = latest.get((budget, sp, model, "deepspeed-alst"))
+
+        def ratio(other):
+            if other is None or not other["max_seq"]:
+                return "-"
+            return f"**{rec['max_seq'] / other['max_seq']:.2f}**"
+
+        probes = ", ".join(f"{_k(s)}{'' if p is not None else '✗'}" for s, p in rec["probes"])
+        rows.append([f"{budget / GIB:.2f}", sp, name, _k(rec["max_seq"]) if rec["max_seq"] else "none",
+                     _k(rec["next_failed"]) if rec["next_failed"] else "-", ratio(base), ratio(alst), probes,
+                     f"{rec['seconds'] / 60:.1f}"])
+    return _table(["budget GiB/rank", "sp", "arm", "longest S that fits", "next S (over budget)",
+                   "vs DeepSpeed tutorial", "vs DeepSpeed + ALST tools", "probes (✗: over budget)", "minutes"], rows)
+
+
+def plot_maxseq(records: list[dict], path: Path) -> Path:
+    """Peak RSS of every probe against S, per arm, with the budget line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    styles = {"deepspeed": "o--", "ours": "^-", "deepspeed-alst": "d:"}
+    for rec in records:
+        points = sorted((s, p / GIB) for s, p in rec["probes"] if p is not None)
+        ax.plot([p[0] for p in points], [p[1] for p in points], styles.get(rec["name"], "x-"),
+                label=f"{rec['name']} sp={rec['sp']}: {rec['max_seq']}")
+    for budget in sorted({rec["budget"] for rec in records}):
+        ax.axhline(budget / GIB, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("global sequence length S (tokens)")
+    ax.set_ylabel("peak RSS per rank (GiB), probes that fit")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
