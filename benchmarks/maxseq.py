@@ -57,8 +57,9 @@ def search(probe, budget: int, granularity: int, start: int = START, max_probes:
         (s1, p1), (s2, p2) = sorted(fits.items())[-2:]
         slope = (p2 - p1) / (s2 - s1)
         guess = s2 + (budget - p2) / slope if slope > 0 else 2 * s2
-        length = int(guess // granularity * granularity)
-        length = min(max(length, lo + granularity), (hi - granularity) if hi < math.inf else length)
+        length = max(int(guess // granularity * granularity), lo + granularity)
+        if hi < math.inf:
+            length = min(length, hi - granularity)
         if hi < math.inf and length == hi - granularity and length - lo > 4 * granularity:
             length = (lo + hi) // 2 // granularity * granularity  # the line aims at the failure: bisect instead
     return {"max_seq": lo, "next_failed": hi if hi < math.inf else None, "probes": probes}

@@ -77,7 +77,8 @@ def test_verdicts_are_claimed_only_beyond_the_noise():
     assert target_verdict(1.00, 0.03, 0.95).startswith("missed")
 
 
-@pytest.mark.parametrize("per_token,base,budget", [(1000, 10_000, 3_000_000), (37, 123_457, 400_000)])
+@pytest.mark.parametrize("per_token,base,budget", [(1000, 10_000, 3_000_000), (37, 123_457, 400_000),
+                                                    (100, 1_000_000, 1_409_650)])
 def test_max_seq_search_finds_the_longest_length_that_fits(per_token, base, budget):
     """A probe whose peak grows linearly with S (plus a jump at one length, as a tile count change
     makes): the search returns the longest multiple of the granularity that fits, and measured the
