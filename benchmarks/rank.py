@@ -182,7 +182,7 @@ def _tile_mlps_deepspeed(model, group) -> None:
         return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
 
     def tiled_forward(mlp, x):
-        shards = torch.tensor(math.ceil(x.shape[-2] / x.shape[-1]))
+        shards = torch.tensor(math.ceil(x.shape[-2] / x.shape[-1]), device=x.device)
         dist.all_reduce(shards, op=dist.ReduceOp.MAX, group=group)
         params = [mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight]
         return TiledMLP.apply(mlp_forward, mlp, x, int(shards), params)

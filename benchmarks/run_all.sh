@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces benchmarks/results/ (results.md, *.png, runs.jsonl): about 100 minutes on 2 CPU cores.
+# Reproduces benchmarks/results/ (results.md, *.png, runs.jsonl): about 100 minutes on 2 CPU cores (sp 4 runs 4 processes on them).
 # Every `bench` call appends its launches to runs.jsonl; the last call rebuilds the report from all of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,8 +14,8 @@ bench --seq-len 4K --sp 4 --reps 3
 # 2. DeepSpeed with every ALST tool it has (ArcticTraining's setup) against our defaults
 bench --seq-len 16K --sp 2 --reps 3 --impl deepspeed deepspeed-alst ours --profile-reps 0
 # 3. TiledMLP and sequence_tiled_compute against DeepSpeed's at equal shards (one rank's tokens)
-bench --tiled-iters 5 --seq-len 4K 8K 16K
-# 4. the longest sequence whose step fits 3 GiB of RSS per rank, three recipes, sp 2
-bench --max-seq 3G --sp 2 --impl deepspeed deepspeed-alst ours
+bench --tiled-iters 3 --seq-len 2K 4K
+# 4. the longest sequence whose step fits 2.5 GiB of RSS per rank, three recipes, sp 2
+bench --max-seq 2.5G --sp 2 --impl deepspeed deepspeed-alst ours
 
 "$PY" -m benchmarks.bench --out "$OUT" --report-only --report benchmarks/results

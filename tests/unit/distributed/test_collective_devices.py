@@ -20,7 +20,8 @@ MODEL_TENSORS = {
     ("ds_ulysses/distributed/all_to_all.py", "_all_to_all"): "q/k/v and attention outputs: the model's activations",
     ("benchmarks/rank.py", "forward"): "the tutorial loss's per-rank loss, on the model's device",
     ("benchmarks/rank.py", "backward"): "the gradient of that loss, on the model's device",
-    ("benchmarks/rank.py", "tutorial_loss"): "token counts made from the labels on the model's device",
+    ("benchmarks/rank.py", "_aggregate"): "token counts made from the labels on the model's device",
+    ("benchmarks/rank.py", "tiled_forward"): "the tile count, made on the MLP input's device",
 }
 
 
