@@ -133,20 +133,13 @@ def plot_maxseq(records: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .report import STYLES, save_seq_plot
+
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    styles = {"deepspeed": "o--", "ours": "^-", "deepspeed-alst": "d:"}
     for rec in records:
         points = sorted((s, p / GIB) for s, p in rec["probes"] if p is not None)
-        ax.plot([p[0] for p in points], [p[1] for p in points], styles.get(rec["name"], "x-"),
+        ax.plot([p[0] for p in points], [p[1] for p in points], STYLES.get(rec["name"], "x-"),
                 label=f"{rec['name']} sp={rec['sp']}: {rec['max_seq']}")
     for budget in sorted({rec["budget"] for rec in records}):
         ax.axhline(budget / GIB, color="grey", lw=0.8, ls="--")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("global sequence length S (tokens)")
-    ax.set_ylabel("peak RSS per rank (GiB), probes that fit")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_seq_plot(fig, ax, "peak RSS per rank (GiB), probes that fit", path)

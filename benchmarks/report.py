@@ -28,6 +28,7 @@ from .rank import MODEL_DEFAULTS
 __all__ = ["format_group", "format_run", "write_report", "ratio_rows", "noise_of", "verdict", "target_verdict",
            "ulysses_min_bytes", "targets", "PROFILE_COLUMNS"]
 
+STYLES = {"deepspeed": "o--", "ours-dropin": "s-", "ours": "^-", "deepspeed-alst": "d:"}  # plot line per arm
 PRODUCT_MIN_SEQ = 16384  # the product targets are stated at S = 16K and 32K
 
 
@@ -317,10 +318,16 @@ def _plot(summary: dict, key: str, ylabel: str, path: Path, scale: float = 1.0) 
         if not packed and not model and name in ("deepspeed", "ours-dropin", "ours", "deepspeed-alst") and s >= 1024:
             lines.setdefault((name, sp), []).append((s, v[key] / scale))
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    styles = {"deepspeed": "o--", "ours-dropin": "s-", "ours": "^-", "deepspeed-alst": "d:"}
     for (name, sp), points in sorted(lines.items()):
         points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], styles.get(name, "x-"), label=f"{name} sp={sp}")
+        ax.plot([p[0] for p in points], [p[1] for p in points], STYLES.get(name, "x-"), label=f"{name} sp={sp}")
+    return save_seq_plot(fig, ax, ylabel, path)
+
+
+def save_seq_plot(fig, ax, ylabel: str, path: Path) -> Path:
+    """Finish a plot against S (log2 axis, grid, legend) and write it to ``path``."""
+    import matplotlib.pyplot as plt
+
     ax.set_xscale("log", base=2)
     ax.set_xlabel("global sequence length S (tokens)")
     ax.set_ylabel(ylabel)
