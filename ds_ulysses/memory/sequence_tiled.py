@@ -10,8 +10,8 @@ Dimensions: bs batch, sl sequence, sl_t one tile of it.
 
 import torch
 
-from .tiles import TileGrads, input_names, one_grad_per_input, positive_int, tile_bounds, trainable_params, \
-    zero3_whole
+from .tiles import TileGrads, input_names, one_grad_per_input, positive_int, seq_tile, tile_bounds, \
+    trainable_params, zero3_whole
 
 __all__ = ["SequenceTiledCompute", "sequence_tiled_compute"]
 
@@ -93,19 +93,24 @@ class SequenceTiledCompute(torch.autograd.Function):
         owners = [ctx.fn, *args[ctx.n_shard:]]
         grads = TileGrads("sequence_tiled_compute", ctx.params, owners)
         with zero3_whole(ctx.params):
-            for i, (start, stop) in enumerate(ctx.bounds):
-                tile = source[:, start:stop].contiguous().requires_grad_(needs_grad)  # [bs, sl_t, ...]
-                kwargs = {**_tile_kwargs(ctx.keys, args, ctx.n_shard, start, stop), ctx.grad_key: tile}
-                with torch.enable_grad():
-                    out = ctx.fn(**kwargs)
-                adds_nothing = ctx.per_tile and ctx.reduction is not None and stop == start
-                tile_grad_out, weight = _tile_grad_out(ctx, grad_out, i, out)
-                tile_grad = grads.backprop(out, tile_grad_out, tile, weight, keep=not adds_nothing)
-                if tile_grad is not None:
-                    source_grad[:, start:stop] = tile_grad
+            for i in range(len(ctx.bounds)):
+                _backprop_tile(ctx, grads, args, source, source_grad, grad_out, i)
         grads.write_undeclared()
         arg_grads = [source_grad if key == ctx.grad_key else None for key in ctx.keys]
         return one_grad_per_input(SequenceTiledCompute.forward, varargs=arg_grads + grads.declared_grads())
+
+
+def _backprop_tile(ctx, grads, args, source, source_grad, grad_out, i):
+    """Recomputes tile `i` with autograd and backpropagates it (its tensors die on return)."""
+    start, stop = ctx.bounds[i]
+    tile = seq_tile(source, start, stop, 1).requires_grad_(source_grad is not None)  # [bs, sl_t, ...]
+    kwargs = {**_tile_kwargs(ctx.keys, args, ctx.n_shard, start, stop), ctx.grad_key: tile}
+    with torch.enable_grad():
+        out = ctx.fn(**kwargs)
+    adds_nothing = ctx.per_tile and ctx.reduction is not None and stop == start
+    tile_grad_out, weight = _tile_grad_out(ctx, grad_out, i, out)
+    into = None if source_grad is None else source_grad[:, start:stop]
+    grads.backprop(out, tile_grad_out, tile, into, weight, keep=not adds_nothing, more=i + 1 < len(ctx.bounds))
 
 
 def _tile_grad_out(ctx, grad_out, i, out):
@@ -122,7 +127,7 @@ def _tile_grad_out(ctx, grad_out, i, out):
 def _tile_kwargs(keys, args, n_shard, start, stop):
     """kwargs for one tile: the first `n_shard` args sliced `[:, start:stop]` (contiguous, as fn may
     `.view` them), the rest passed whole."""
-    return {k: (a[:, start:stop].contiguous() if i < n_shard else a) for i, (k, a) in enumerate(zip(keys, args))}
+    return {k: (seq_tile(a, start, stop, 1) if i < n_shard else a) for i, (k, a) in enumerate(zip(keys, args))}
 
 
 def sequence_tiled_compute(fn, seqlen, shards, kwargs_to_shard, kwargs_to_pass, grad_requiring_tensor_key,

@@ -6,8 +6,8 @@ Dimensions: bs batch, sl sequence, sl_t one tile of it, h hidden, h_out the MLP'
 
 import torch
 
-from .tiles import TileGrads, agree_on_shards, auto_mlp_shards, one_grad_per_input, positive_int, tile_bounds, \
-    trainable_params, zero3_whole
+from .tiles import TileGrads, agree_on_shards, auto_mlp_shards, one_grad_per_input, positive_int, seq_tile, \
+    tile_bounds, trainable_params, zero3_whole
 
 __all__ = ["TiledMLP"]
 
@@ -44,7 +44,7 @@ class TiledMLP(torch.autograd.Function):
         out = None
         with torch.no_grad():
             for start, stop in ctx.bounds:
-                y = fn(module, x[..., start:stop, :].contiguous())  # [bs, sl_t, h_out]
+                y = fn(module, seq_tile(x, start, stop, -2))  # [bs, sl_t, h_out]
                 if not torch.is_tensor(y) or y.dim() != x.dim() or y.shape[-2] != stop - start:
                     got = tuple(y.shape) if torch.is_tensor(y) else type(y).__name__
                     raise ValueError(f"TiledMLP: fn must map a [..., {stop - start}, h] tile to one tensor "
@@ -53,6 +53,7 @@ class TiledMLP(torch.autograd.Function):
                 if out is None:
                     out = y.new_empty(*y.shape[:-2], x.shape[-2], y.shape[-1])  # [bs, sl, h_out]
                 out[..., start:stop, :] = y
+                del y  # not alive through the next tile's fn
         return out
 
     @staticmethod
@@ -63,12 +64,16 @@ class TiledMLP(torch.autograd.Function):
         x_grad = torch.zeros_like(x) if needs_x else None
         grads = TileGrads("TiledMLP", ctx.params, [ctx.module])
         with zero3_whole(ctx.params):
-            for start, stop in ctx.bounds:
-                tile = x[..., start:stop, :].contiguous().requires_grad_(needs_x)  # [bs, sl_t, h]
-                with torch.enable_grad():
-                    y = ctx.fn(ctx.module, tile)  # [bs, sl_t, h_out]
-                tile_grad = grads.backprop(y, grad_out[..., start:stop, :], tile)
-                if tile_grad is not None:
-                    x_grad[..., start:stop, :] = tile_grad
+            for i, (start, stop) in enumerate(ctx.bounds):
+                _backprop_tile(ctx, grads, x, x_grad, grad_out, start, stop, more=i + 1 < len(ctx.bounds))
         grads.write_undeclared()
         return one_grad_per_input(TiledMLP.forward, x=x_grad, varargs=grads.declared_grads())
+
+
+def _backprop_tile(ctx, grads, x, x_grad, grad_out, start, stop, more):
+    """Recomputes one tile with autograd and backpropagates it (its tensors die on return)."""
+    tile = seq_tile(x, start, stop, -2).requires_grad_(x_grad is not None)  # [bs, sl_t, h]
+    with torch.enable_grad():
+        y = ctx.fn(ctx.module, tile)  # [bs, sl_t, h_out]
+    into = None if x_grad is None else x_grad[..., start:stop, :]
+    grads.backprop(y, grad_out[..., start:stop, :], tile, into, more=more)

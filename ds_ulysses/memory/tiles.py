@@ -40,7 +40,7 @@ from torch import nn
 from ..distributed.collectives import all_reduce_max
 
 __all__ = ["DEFAULT_LOGITS_BUDGET_BYTES", "auto_mlp_shards", "auto_loss_shards", "resolve_loss_shards",
-           "agree_on_shards", "weight_rows", "tile_bounds", "trainable_params", "zero3_whole",
+           "agree_on_shards", "weight_rows", "seq_tile", "tile_bounds", "trainable_params", "zero3_whole",
            "zero3_whole_at_accumulation", "TileGrads", "one_grad_per_input", "positive_int"]
 
 # 128 MiB of logits per tile (2**25 fp32 values): 1024 tokens at a 32K vocab, 256 at 128K, still a
@@ -91,6 +91,15 @@ def weight_rows(module):
                          f"from, got {type(module).__name__} without one; pass the tile count as an int "
                          "(see auto_loss_shards)")
     return shape[0]
+
+
+def seq_tile(t, start, stop, dim):
+    """`t`'s `[start, stop)` slice on `dim` as a contiguous tensor with a fresh tensor's strides (fn may
+    `.view` it). A slice of a `[1, sl, h]` tensor is contiguous already but keeps the whole sequence's
+    batch stride, and matmul then runs `[1, sl_t, h] @ [h, h_out]` as a batched product instead of one
+    matrix product: slower, and its weight gradient takes one more weight-sized buffer."""
+    tile = t.narrow(dim, start, stop - start).contiguous()
+    return tile.view(tile.shape)
 
 
 def tile_bounds(length, shards):
@@ -196,27 +205,31 @@ class TileGrads:
         self.sums = [_Sum() for _ in self.declared]
         self.undeclared = {}  # id -> (leaf, _Sum)
 
-    def backprop(self, out, grad_out, tile=None, weight=1.0, keep=True):
-        """Gradients of one tile's `out` given `grad_out`, times `weight`: parameter gradients are added
-        to the sums (when `keep`), and the gradient of the tile input `tile` is returned (None if not
-        needed). `weight` (a float) is applied to the gradients, not folded into `grad_out`, so it is
-        not rounded to a bf16 `grad_out`'s precision first (213/425 would become 0.5)."""
-        wants_tile = tile is not None and tile.requires_grad
+    def backprop(self, out, grad_out, tile=None, into=None, weight=1.0, keep=True, more=False):
+        """Backpropagates one tile's `out` given `grad_out`, its gradients times `weight`: the parameter
+        gradients are added to the sums (when `keep`), and the gradient of the tile input `tile` (when
+        it requires grad) is written into `into` (the tile's slice of the input's gradient). Each is
+        taken by a hook the moment autograd has it (see :func:`_taking`). `weight` (a float) is applied
+        to the gradients, not folded into `grad_out`, so it is not rounded to a bf16 `grad_out`'s
+        precision first (213/425 would become 0.5). `more`: other tiles follow (see :class:`_Sum`)."""
         if not out.requires_grad:
-            return None
+            return
+        wants_tile = tile is not None and tile.requires_grad
         known = {id(t) for t in self.declared} | ({id(tile)} if wants_tile else set())
         others = [leaf for leaf in _leaves(out) if id(leaf) not in known]
         for leaf in others:
             self._check_undeclared(leaf)
-        inputs = ([tile] if wants_tile else []) + self.declared + others
-        grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
-        tile_grad = grads.pop(0) if wants_tile else None
+        hooks = [tile.register_hook(_taking(functools.partial(_write, into, weight=weight)))] if wants_tile else []
         if keep:
-            for total, grad in zip(self.sums, grads):
-                total.add(grad, weight)
-            for leaf, grad in zip(others, grads[len(self.declared):]):
-                self.undeclared.setdefault(id(leaf), (leaf, _Sum()))[1].add(grad, weight)
-        return tile_grad if tile_grad is None or weight == 1 else tile_grad * weight
+            totals = self.sums + [self.undeclared.setdefault(id(leaf), (leaf, _Sum()))[1] for leaf in others]
+            hooks += [leaf.register_hook(_taking(functools.partial(total.add, weight=weight, more=more)))
+                      for leaf, total in zip(self.declared + others, totals)]
+        try:
+            torch.autograd.grad(out, ([tile] if wants_tile else []) + self.declared + others, grad_out,
+                                allow_unused=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def declared_grads(self, scale=None):
         """What backward returns for the declared parameters: their summed gradients (None where a
@@ -248,19 +261,46 @@ class TileGrads:
                 "of the module")
 
 
+def _taking(take):
+    """A leaf's gradient hook for one tile's backward: `take(grad)` keeps the gradient the moment autograd
+    has it, and autograd gets a zero in its place (one element seen through stride 0). Gradients that
+    ``autograd.grad`` returned would all live until the tile's whole backward is done, where autograd's
+    own accumulation into ``.grad`` frees each at once."""
+
+    def hook(grad):
+        take(grad)
+        return grad.new_zeros(()).expand_as(grad)
+
+    return hook
+
+
+def _write(into, grad, weight=1.0):
+    into.copy_(grad)
+    if weight != 1:
+        into.mul_(weight)
+
+
 class _Sum:
     """A running weighted sum of gradients that never writes into a tensor autograd handed out (a
     gradient may alias the incoming gradient or another output): the first is kept as is (or scaled
-    into a new tensor), and later ones are added into one new tensor in place."""
+    into a new tensor), and later ones are added into one new tensor in place.
+
+    When more gradients will follow (`more`), the first is copied into a tensor of its own at once and
+    is freed right after, so at most two parameter-sized buffers are alive at a time (the sum and the
+    newest gradient), as with autograd's own accumulation into ``.grad``; adding the second to the
+    first into a new tensor would hold three."""
 
     def __init__(self):
         self.total, self.owned = None, False
 
-    def add(self, grad, weight=1.0):
+    def add(self, grad, weight=1.0, more=False):
         if grad is None:
             return
         if self.total is None:
-            self.total, self.owned = (grad, False) if weight == 1 else (grad * weight, True)
+            if weight == 1 and not more:
+                self.total, self.owned = grad, False
+            else:
+                self.total, self.owned = (grad * weight if weight != 1 else grad.clone()), True
         elif self.owned:
             self.total.add_(grad, alpha=weight)
         else:

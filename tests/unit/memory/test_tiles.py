@@ -1,12 +1,14 @@
 """The helpers the tiled Functions share: tile counts and bounds, declared parameters, gradient sums.
 (Their ZeRO-3 side runs in tests/integration/test_tiled_zero.py.)"""
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
 from ds_ulysses.memory import agree_on_shards, auto_loss_shards, auto_mlp_shards
-from ds_ulysses.memory.tiles import TileGrads, tile_bounds, trainable_params, zero3_whole
+from ds_ulysses.memory.tiles import TileGrads, seq_tile, tile_bounds, trainable_params, zero3_whole
 
 from .helpers import SPLITS, tile_sizes
 
@@ -70,9 +72,50 @@ def test_gradient_sums_never_write_into_tensors_autograd_handed_out():
 def test_tile_gradient_is_weighted_and_unused_parameters_get_none():
     p, unused = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(1))
     tile = torch.ones(3, requires_grad=True)
+    x_grad = torch.zeros(2, 3)
     grads = TileGrads("test", [p, unused])
-    tile_grad = grads.backprop((p * tile).sum(), torch.tensor(1.0), tile, weight=0.25)
-    assert torch.equal(tile_grad, torch.full((3,), 0.25))
-    assert grads.backprop(torch.ones(()), torch.tensor(1.0), tile) is None  # nothing trainable in that tile
+    grads.backprop((p * tile * 2).sum(), torch.tensor(1.0), tile, x_grad[0], weight=0.25, more=True)
+    assert torch.equal(x_grad, torch.tensor([[0.5, 0.5, 0.5], [0.0, 0.0, 0.0]]))
+    grads.backprop(torch.ones(()), torch.tensor(1.0), tile, x_grad[1])  # nothing trainable in that tile
+    assert torch.equal(x_grad[1], torch.zeros(3))
     got = grads.declared_grads()
-    assert torch.equal(got[0], torch.full((3,), 0.25)) and got[1] is None
+    assert torch.equal(got[0], torch.full((3,), 0.5)) and got[1] is None
+
+
+class _SumsSeenInBackward(torch.autograd.Function):
+    """Identity whose backward records whether the first parameter's sum already holds a gradient."""
+
+    @staticmethod
+    def forward(ctx, x, grads, seen):
+        ctx.grads, ctx.seen = grads, seen
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.seen.append(ctx.grads.sums[0].total is not None)
+        return grad, None, None
+
+
+def test_a_parameter_gradient_is_summed_as_soon_as_autograd_has_it():
+    """The tile's backward reaches `first` before the rest of the graph: its gradient must be in the sum
+    by then, not held by autograd.grad until the tile's whole backward ends (one more parameter-sized
+    buffer per parameter at the tile's peak)."""
+    first, second = nn.Parameter(torch.full((4,), 2.0)), nn.Parameter(torch.full((4,), 3.0))
+    tile = torch.ones(4, requires_grad=True)
+    grads, seen = TileGrads("test", [first, second]), []
+    for _ in range(2):
+        out = (first * _SumsSeenInBackward.apply(second * tile, grads, seen)).sum()
+        grads.backprop(out, torch.tensor(1.0), tile, torch.empty(4), more=True)
+    assert seen == [True, True]
+    got = grads.declared_grads()
+    assert torch.equal(got[0], torch.full((4,), 6.0)) and torch.equal(got[1], torch.full((4,), 4.0))
+
+
+@pytest.mark.parametrize("shape, dim", [((1, 12, 4), 1), ((2, 12, 4), 1), ((1, 12, 2, 3), 1), ((12, 4), 0)])
+def test_seq_tile_has_a_fresh_tensors_strides(shape, dim):
+    """A slice of a [1, sl, h] tensor is contiguous but keeps the whole sequence's batch stride, which
+    makes matmul take its batched path; the tile must look like a tensor of its own."""
+    x = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    tile = seq_tile(x, 3, 8, dim)
+    assert torch.equal(tile, x.narrow(dim, 3, 5))
+    assert tile.stride() == torch.empty(tile.shape).stride()
