@@ -14,7 +14,7 @@ bench --seq-len 4K --sp 4 --reps 3
 # 2. DeepSpeed with every ALST tool it has (ArcticTraining's setup) against our defaults
 bench --seq-len 16K --sp 2 --reps 3 --impl deepspeed deepspeed-alst ours --profile-reps 0
 # 3. TiledMLP and sequence_tiled_compute against DeepSpeed's at equal shards (one rank's tokens)
-bench --tiled-iters 3 --seq-len 2K 4K
+bench --tiled-iters 8 --seq-len 2K 4K
 # 4. the longest sequence whose step fits 2.5 GiB of RSS per rank, three recipes, sp 2
 bench --max-seq 2.5G --sp 2 --impl deepspeed deepspeed-alst ours
 
