@@ -198,3 +198,15 @@ def test_errors():
         sequence_tiled_compute(lambda input: (input, None), 4, 2, {"input": x}, {}, "input")
     with pytest.raises(ValueError, match="shards must be a positive int, got 'auto'"):
         sequence_tiled_compute(torch.sin, 4, "auto", {"input": x}, {}, "input")
+
+
+def test_parameters_get_their_gradients_when_the_sharded_input_needs_none():
+    """A frozen input (nothing before fn trains): fn's declared parameters still get the untiled
+    gradients. DeepSpeed's output does not require grad there, so they get none."""
+    torch.manual_seed(0)
+    mlp = GatedMLP()
+    x, w = torch.randn(2, 9, 16), torch.randn(2, 9, 16)
+    params = list(mlp.parameters())
+    want = grads_of((mlp(x) * w).sum(), params)
+    got_out = sequence_tiled_compute(lambda hidden: mlp(hidden), 9, 3, {"hidden": x}, {}, "hidden", params, 1, None)
+    assert_close(grads_of((got_out * w).sum(), params), want, "grad")

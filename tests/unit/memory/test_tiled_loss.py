@@ -295,3 +295,15 @@ def test_errors():
     with pytest.raises(ValueError, match=r"compute_params must be a list of the parameters fn uses, or None, got a "
                                          r"tensor of shape \(11, 16\)"):
         TiledFusedLogitsLoss.apply(mean_ce, head, x, y, None, 2, head.weight, "mean")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_head_gets_its_gradient_when_the_hidden_states_need_none(reduction):
+    """Only lm_head trained (a frozen body): DeepSpeed's loss does not require grad there, so the head
+    gets no gradient; ours gives the untiled one."""
+    head, x, y = inputs(2, 9)
+    x = x.detach()
+    want = grads_of(untiled(head, x, y, reduction), list(head.parameters()))
+    fn = mean_ce if reduction == "mean" else sum_ce
+    got = grads_of(TiledFusedLogitsLoss.apply(fn, head, x, y, None, 3, None, reduction), list(head.parameters()))
+    assert_close(got, want, "grad")

@@ -139,3 +139,14 @@ def test_auto_shards_and_bad_inputs():
         TiledMLP.apply(lambda m, t: (m(t), None), mlp, x, 3, None)
     with pytest.raises(ValueError, match="compute_params must be a list of the parameters fn uses, or None"):
         TiledMLP.apply(mlp_fn, mlp, x, 3, [nn.Linear(2, 2)])
+
+
+def test_parameters_get_their_gradients_when_the_input_needs_none():
+    """Everything before the MLP frozen (LoRA on the MLP only, say): the MLP's weights still train.
+    DeepSpeed's TiledMLP returns an output that does not require grad there, so they get none."""
+    torch.manual_seed(0)
+    mlp = GatedMLP()
+    x, w = torch.randn(2, 9, 16), torch.randn(2, 9, 16)
+    want = grads_of((mlp(x) * w).sum(), list(mlp.parameters()))
+    got = grads_of((TiledMLP.apply(mlp_fn, mlp, x, 3, None) * w).sum(), list(mlp.parameters()))
+    assert_close(got, want, "grad")
