@@ -6,10 +6,11 @@ Every configuration (S, sp) runs each *arm* once per repetition, in an order rot
 (:mod:`benchmarks.rank`). The arms: ``deepspeed`` (DeepSpeed's module + tutorial recipe), the
 same again as ``deepspeed[again]`` (the noise arm: identical code, so its ratio to ``deepspeed`` is
 what this machine does to a ratio), ``ours-dropin``, ``ours`` and any ``ours[variant]``. A launch's
-step time is the mean over its measured steps (one adapter refill cycle: sp steps) of the slowest
-rank's whole user-loop step; its memory is the largest rank's peak RSS. Each ratio is taken within a
-repetition (arm / ``deepspeed`` of the same repetition), so slow drifts in machine load cancel, and
-is reported as the median over repetitions with its spread (:mod:`benchmarks.report`).
+step time is the fastest of its measured adapter refill cycles (sp steps each, ``--cycles``), as the
+mean of the slowest rank's whole user-loop steps; its memory is the largest rank's peak RSS. Each
+ratio is taken within a repetition (arm / ``deepspeed`` of the same repetition), so slow drifts in
+machine load cancel, and is reported as the median over repetitions with its spread
+(:mod:`benchmarks.report`).
 
 Other modes: ``--layer-iters`` (the attention layer alone, :mod:`benchmarks.layer`), ``--tiled-iters``
 (TiledMLP and sequence_tiled_compute against DeepSpeed's, :mod:`benchmarks.tiled`) and
@@ -150,9 +151,20 @@ def launch(spec: dict, world: int, workdir: Path, timeout: float = 1800.0, rss_l
 
 
 def launch_time(record: dict) -> float:
-    """A launch's step time: the mean over its measured steps of the slowest rank's step."""
+    """A launch's step time: the fastest adapter refill cycle's mean step (the slowest rank's step).
+
+    Any ``sp`` consecutive steps hold exactly one refill, so each cycle costs what a user's loop costs;
+    the fastest cycle is the one least disturbed by whatever else the machine ran meanwhile (the
+    reasoning of ``timeit``'s minimum). A launch shorter than a cycle, or with a partial last one,
+    counts every measured step.
+    """
     steps = [max(t) for t in zip(*(r["times"] for r in record["ranks"]))]
-    return statistics.mean(steps) if steps else float("nan")
+    if not steps:
+        return float("nan")
+    sp = record.get("sp", 1)
+    if len(steps) % sp:
+        return statistics.mean(steps)
+    return min(statistics.mean(steps[i:i + sp]) for i in range(0, len(steps), sp))
 
 
 def launch_peak(record: dict) -> int:
@@ -166,10 +178,10 @@ def _workdir() -> Path:
 
 def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, out: Path, packed_docs: int = 0,
               model: dict | None = None, variants: dict | None = None, timeout: float = 1800.0,
-              noise: bool = True, profile_reps: int = 1, log=print) -> list[dict]:
+              noise: bool = True, profile_reps: int = 1, cycles: int = 1, log=print) -> list[dict]:
     """Every (S, sp) with every arm, ``reps`` rotations; each launch appended to ``out``.
 
-    ``steps`` None means sp (one adapter refill cycle); ``variants`` maps a name to a ``"ulysses"``
+    ``steps`` None means ``cycles`` adapter refill cycles of sp steps; ``variants`` maps a name to a ``"ulysses"``
     section override for an extra ``ours`` arm; the first ``profile_reps`` repetitions also profile
     one step per launch (:mod:`benchmarks.profile`).
     """
@@ -185,7 +197,8 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
             for rep in range(reps):
                 shift = rep % len(entries)
                 for order, (name, impl, variant, section) in enumerate(entries[shift:] + entries[:shift]):
-                    spec = {"impl": impl, "seq_len": seq_len, "sp": sp, "steps": steps or sp, "warmup": warmup,
+                    spec = {"impl": impl, "seq_len": seq_len, "sp": sp, "steps": steps or cycles * sp,
+                            "warmup": warmup,
                             "packed_docs": packed_docs, "model": model or {}, "section": section,
                             "profile": rep < profile_reps}
                     begin = time.monotonic()
@@ -282,8 +295,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="leave out the noise arm (DeepSpeed launched twice per repetition)")
     parser.add_argument("--packed-docs", type=int, default=0, help="documents packed per sample (0: one)")
     parser.add_argument("--reps", type=int, default=3, help="launches per arm, in rotating order")
-    parser.add_argument("--steps", type=int, default=None, help="measured steps per launch (default: sp, one "
-                                                                "adapter refill cycle)")
+    parser.add_argument("--cycles", type=int, default=1, help="measured adapter refill cycles (sp steps each) per "
+                                                              "launch; the launch's time is the fastest cycle's")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per launch (overrides --cycles)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per launch")
     parser.add_argument("--profile-reps", type=int, default=1, metavar="N",
                         help="profile one extra step per launch in the first N repetitions (0: none)")
@@ -346,6 +360,8 @@ def run_command(args: argparse.Namespace) -> int:
         for name, section in variants.items():
             UlyssesConfig.from_dict({"sequence_parallel_size": 1, **section})
         budget = parse_bytes(args.max_seq) if args.max_seq else None
+        if args.cycles < 1:
+            raise ValueError(f"--cycles must be 1 or more (measured refill cycles per launch), got {args.cycles}")
         granularity = parse_size(args.max_seq_step)
     except ValueError as exc:
         print(f"ds-ulysses bench: {exc}", file=sys.stderr)
@@ -366,7 +382,8 @@ def run_command(args: argparse.Namespace) -> int:
         run_layer_suite(seq_lens, args.sp, args.layer_iters, out, args.timeout)
     else:
         records = run_suite(seq_lens, args.sp, args.impl, args.reps, args.steps, args.warmup, out,
-                            args.packed_docs, model, variants, args.timeout, args.noise, args.profile_reps)
+                            args.packed_docs, model, variants, args.timeout, args.noise, args.profile_reps,
+                            args.cycles)
         print(format_run(records))
     if args.report:
         lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]

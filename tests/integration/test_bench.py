@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from ds_ulysses import cli
 from ds_ulysses.planner import parse_size
 from benchmarks import maxseq, tiled
-from benchmarks.bench import NOISE_ARM, parse_bytes
+from benchmarks.bench import NOISE_ARM, launch_time, parse_bytes
 from benchmarks.report import target_verdict, ulysses_min_bytes, verdict
 
 TINY = ["--model", "vocab=128", "--model", "hidden=32", "--model", "intermediate=64", "--model", "layers=2",
@@ -67,6 +68,20 @@ def test_sizes_and_bad_arguments(capsys):
     assert cli.main(["bench", "--variant", 'x={"tiled_mlp": {"enabeld": true}}']) == 2
     assert cli.main(["bench", "--max-seq=0G"]) == 2
     assert "positive memory budget" in capsys.readouterr().err
+    assert cli.main(["bench", "--cycles", "0"]) == 2
+    assert "--cycles must be 1 or more" in capsys.readouterr().err
+
+
+def test_a_launch_counts_its_fastest_refill_cycle_of_the_slowest_ranks_steps():
+    def record(sp, *rank_times):
+        return {"sp": sp, "ranks": [{"times": list(t)} for t in rank_times]}
+
+    # sp 2, two cycles: slowest rank per step is 5, 4 | 3, 2 -> cycle means 4.5 and 2.5
+    assert launch_time(record(2, [5, 1, 3, 2], [1, 4, 1, 1])) == 2.5
+    # a partial cycle (3 steps at sp 2) or fewer steps than sp: every step counts
+    assert launch_time(record(2, [6, 1, 2], [1, 1, 1])) == 3.0
+    assert launch_time(record(4, [2, 4], [3, 1])) == 3.5
+    assert math.isnan(launch_time(record(2, [])))
 
 
 def test_verdicts_are_claimed_only_beyond_the_noise():
