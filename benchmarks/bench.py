@@ -178,8 +178,12 @@ def _workdir() -> Path:
 
 def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, out: Path, packed_docs: int = 0,
               model: dict | None = None, variants: dict | None = None, timeout: float = 1800.0,
-              noise: bool = True, profile_reps: int = 1, cycles: int = 1, log=print) -> list[dict]:
+              noise: bool = True, profile_reps: int = 1, cycles: int = 1, warm_up: bool = True,
+              log=print) -> list[dict]:
     """Every (S, sp) with every arm, ``reps`` rotations; each launch appended to ``out``.
+
+    With ``warm_up``, one launch of the first arm and configuration runs first and is not recorded:
+    on this kind of machine the first launch after an idle spell runs every step about 15% slower.
 
     ``steps`` None means ``cycles`` adapter refill cycles of sp steps; ``variants`` maps a name to a ``"ulysses"``
     section override for an extra ``ours`` arm; the first ``profile_reps`` repetitions also profile
@@ -191,6 +195,14 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
     run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     records = []
     out.parent.mkdir(parents=True, exist_ok=True)
+    if warm_up:
+        name, impl, _, section = entries[0]
+        begin = time.monotonic()
+        launch({"impl": impl, "seq_len": seq_lens[0], "sp": sps[0], "steps": steps or cycles * sps[0],
+                "warmup": warmup, "packed_docs": packed_docs, "model": model or {}, "section": section,
+                "profile": False}, sps[0], _workdir(), timeout)
+        log(f"{name:>24} S={seq_lens[0]:>6} sp={sps[0]}: machine warm-up launch, not recorded "
+            f"({time.monotonic() - begin:.0f}s)")
     for seq_len in seq_lens:
         for sp in sps:
             group = []
@@ -291,6 +303,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                         help="an extra 'ours' arm with this \"ulysses\" section override, e.g. "
                              "'mlp={\"tiled_mlp\": {\"enabled\": true}}' (repeatable)")
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                        help="leave out the unrecorded first launch that warms the machine up")
     parser.add_argument("--no-noise", dest="noise", action="store_false",
                         help="leave out the noise arm (DeepSpeed launched twice per repetition)")
     parser.add_argument("--packed-docs", type=int, default=0, help="documents packed per sample (0: one)")
@@ -383,7 +397,7 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         records = run_suite(seq_lens, args.sp, args.impl, args.reps, args.steps, args.warmup, out,
                             args.packed_docs, model, variants, args.timeout, args.noise, args.profile_reps,
-                            args.cycles)
+                            args.cycles, args.warm_up)
         print(format_run(records))
     if args.report:
         lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]

@@ -25,6 +25,7 @@ def test_tiny_side_by_side_run_writes_the_tables(tmp_path, capsys):
                      "--timeout", "240"])
     assert code == 0
     printed = capsys.readouterr().out
+    assert "machine warm-up launch, not recorded" in printed
     for arm in (NOISE_ARM, "ours"):
         assert f"| {arm} | 64 | 2 |" in printed
     records = [json.loads(line) for line in out.read_text().splitlines()]
