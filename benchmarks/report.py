@@ -58,19 +58,23 @@ def _config(rec: dict) -> tuple:
     return rec["seq_len"], rec["sp"], rec.get("packed_docs", 0), model_key(rec.get("model"))
 
 
-def paired(records: list[dict]) -> dict:
-    """(name, S, sp, packed, model) -> [(time ratio, memory ratio)], one per repetition: each launch over
+def paired_launches(records: list[dict]) -> dict:
+    """(name, S, sp, packed, model) -> [(launch, deepspeed launch)], one per repetition: each launch with
     the ``deepspeed`` launch of the same run and repetition."""
     runs = [r for r in records if "error" not in r and r.get("kind", "step") == "step" and "rep" in r]
     base = {(r.get("run"), r["rep"], *_config(r)): r for r in runs if r["name"] == "deepspeed"}
     out: dict = {}
     for rec in runs:
         ds = base.get((rec.get("run"), rec["rep"], *_config(rec)))
-        if rec["name"] == "deepspeed" or ds is None:
-            continue
-        out.setdefault((rec["name"], *_config(rec)), []).append(
-            (launch_time(rec) / launch_time(ds), launch_peak(rec) / launch_peak(ds)))
+        if rec["name"] != "deepspeed" and ds is not None:
+            out.setdefault((rec["name"], *_config(rec)), []).append((rec, ds))
     return out
+
+
+def paired(records: list[dict]) -> dict:
+    """(name, S, sp, packed, model) -> [(time ratio, memory ratio)], one per repetition."""
+    return {key: [(launch_time(rec) / launch_time(ds), launch_peak(rec) / launch_peak(ds)) for rec, ds in launches]
+            for key, launches in paired_launches(records).items()}
 
 
 def noise_of(pairs: dict, config: tuple) -> tuple[float, float, int] | None:
@@ -109,8 +113,11 @@ def _spread(values: list[float], digits: int = 2) -> str:
 
 
 def ratio_rows(records: list[dict]) -> list[dict]:
-    """One row per (arm, configuration) with a DeepSpeed pair: ratios, spread, noise, verdicts."""
+    """One row per (arm, configuration) with a DeepSpeed pair: ratios, spread, noise, verdicts. Its seconds
+    and GiB are medians over the same paired launches as its ratios, so a configuration measured in several
+    runs (DeepSpeed in more repetitions than the arm) shows both sides of the same repetitions."""
     pairs = paired(records)
+    launches = paired_launches(records)
     summary = summarize(records)
     rows = []
     for (name, s, sp, packed, model), values in sorted(pairs.items(), key=lambda kv: (kv[0][4], kv[0][3], kv[0][1],
@@ -122,6 +129,10 @@ def ratio_rows(records: list[dict]) -> list[dict]:
         t, m = statistics.median(times), statistics.median(mems)
         t_target, m_target = targets(name, s, packed)
         ds, ours = summary.get(("deepspeed", *config)), summary.get((name, *config))
+        arm_launches = launches[(name, *config)]
+
+        def median_of(measure, side):
+            return statistics.median(measure(pair[side]) for pair in arm_launches)
         rows.append({
             "name": name, "S": s, "sp": sp, "packed": packed, "model": model, "reps": len(values),
             "time_ratio": t, "times": times, "mem_ratio": m, "mems": mems, "noise_time": n_t, "noise_mem": n_m,
@@ -129,8 +140,8 @@ def ratio_rows(records: list[dict]) -> list[dict]:
             "time_target": t_target, "mem_target": m_target,
             "time_target_verdict": target_verdict(t, n_t, t_target),
             "mem_target_verdict": target_verdict(m, n_m, m_target),
-            "ds_time": ds["time"] if ds else float("nan"), "time": ours["time"] if ours else float("nan"),
-            "ds_peak": ds["peak"] if ds else float("nan"), "peak": ours["peak"] if ours else float("nan"),
+            "ds_time": median_of(launch_time, 1), "time": median_of(launch_time, 0),
+            "ds_peak": median_of(launch_peak, 1), "peak": median_of(launch_peak, 0),
             "ds_loss": ds["loss"] if ds else float("nan"), "loss": ours["loss"] if ours else float("nan"),
         })
     return rows
@@ -195,21 +206,22 @@ def _profile_cells(p: dict) -> list[str]:
 
 
 def format_profile(summary: dict) -> str:
-    """Seconds per step and phase of the profiled step (mean over ranks and profiled launches), and per
-    (S, sp) the difference ours-dropin - deepspeed: what the mechanism spends that DeepSpeed does not."""
+    """Seconds per step and phase of the profiled step (mean over ranks and profiled launches) beside the
+    measured step of those launches, and per (S, sp) the difference ours-dropin - deepspeed: what the
+    mechanism spends that DeepSpeed does not."""
     rows = []
     keys = sorted((k for k, v in summary.items() if v["profile"]), key=lambda k: (k[4], k[3], k[2], k[1], k[0]))
     for key in keys:
         name, s, sp, packed, model = key
         p = summary[key]["profile"]
         rows.append([name, _k(s), sp, packed or "-", model or "default", *_profile_cells(p), f"{p['total']:.2f}",
-                     f"{summary[key]['time']:.2f}"])
+                     f"{summary[key]['profiled_time']:.2f}"])
         ds = summary.get(("deepspeed", s, sp, packed, model))
         if name == "ours-dropin" and ds and ds["profile"]:
             diff = {k: p[k] - ds["profile"][k] for k in p}
             rows.append(["*ours-dropin - deepspeed*", _k(s), sp, packed or "-", model or "default",
                          *(f"*{c}*" for c in _profile_cells(diff)), f"*{diff['total']:+.2f}*",
-                         f"*{summary[key]['time'] - ds['time']:+.2f}*"])
+                         f"*{summary[key]['profiled_time'] - ds['profiled_time']:+.2f}*"])
     return _table(["arm", "S", "sp", "docs", "model", *(h for h, _ in PROFILE_COLUMNS), "profiled step s",
                    "measured s/step"], rows)
 

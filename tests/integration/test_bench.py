@@ -11,7 +11,7 @@ from ds_ulysses import cli
 from ds_ulysses.planner import parse_size
 from benchmarks import maxseq, tiled
 from benchmarks.bench import NOISE_ARM, launch_time, parse_bytes
-from benchmarks.report import target_verdict, ulysses_min_bytes, verdict
+from benchmarks.report import ratio_rows, target_verdict, ulysses_min_bytes, verdict
 
 TINY = ["--model", "vocab=128", "--model", "hidden=32", "--model", "intermediate=64", "--model", "layers=2",
         "--model", "heads=4", "--model", "kv_heads=2"]
@@ -91,6 +91,20 @@ def test_verdicts_are_claimed_only_beyond_the_noise():
     assert target_verdict(0.90, 0.03, 0.95) == "met"
     assert target_verdict(0.94, 0.03, 0.95) == "undecided (target within noise)"
     assert target_verdict(1.00, 0.03, 0.95).startswith("missed")
+
+
+def test_a_ratio_row_shows_the_seconds_and_bytes_of_the_launches_it_pairs():
+    def launch(name, run, step, peak):
+        return {"name": name, "run": run, "rep": 0, "seq_len": 4096, "sp": 1, "model": {},
+                "ranks": [{"times": [step], "peak": peak, "steps_peak": peak, "losses": [1.0], "phases": [],
+                           "attn_forward_calls": 1, "attn_forward": {"calls": {}, "sent": {}, "off_rank": {}},
+                           "backward": {"calls": {}}, "refill": {"received": {}, "calls": {}}, "refills": 1}]}
+
+    # DeepSpeed ran in two runs, the arm only in the second: its row compares 4 s with 3 s, never 2 s
+    records = [launch("deepspeed", "a", 2.0, 100), launch("deepspeed", "b", 4.0, 300), launch("ours", "b", 3.0, 150)]
+    (row,) = ratio_rows(records)
+    assert (row["ds_time"], row["time"], row["time_ratio"]) == (4.0, 3.0, 0.75)
+    assert (row["ds_peak"], row["peak"], row["mem_ratio"]) == (300, 150, 0.5)
 
 
 @pytest.mark.parametrize("per_token,base,budget", [(1000, 10_000, 3_000_000), (37, 123_457, 400_000),
