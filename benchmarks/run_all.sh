@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces benchmarks/results/ (results.md, *.png, runs.jsonl): about 100 minutes on 2 CPU cores (sp 4 runs 4 processes on them).
+# Reproduces benchmarks/results/ (results.md, *.png, runs.jsonl): about 2 hours on 2 CPU cores (sp 4 runs 4 processes on them).
 # Every `bench` call appends its launches to runs.jsonl; the last call rebuilds the report from all of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,11 +8,12 @@ OUT=${OUT:-benchmarks/results/runs.jsonl}
 bench() { DS_ACCELERATOR=cpu "$PY" -m benchmarks.bench --out "$OUT" "$@"; }
 
 # 1. mechanism (deepspeed vs ours-dropin) and product (deepspeed vs ours), with the noise arm (DeepSpeed
-#    launched twice per repetition) and one profiled step per launch of the first repetition
-bench --seq-len 4K 8K 16K --sp 2 --reps 3
+#    launched twice per repetition) and one profiled step per launch of the first repetition; a launch's
+#    time is its fastest of --cycles adapter refill cycles
+bench --seq-len 4K 8K --sp 2 --reps 3 --cycles 3
 bench --seq-len 4K --sp 4 --reps 3
-# 2. DeepSpeed with every ALST tool it has (ArcticTraining's setup) against our defaults
-bench --seq-len 16K --sp 2 --reps 3 --impl deepspeed deepspeed-alst ours --profile-reps 0
+# 2. at 16K also DeepSpeed with every ALST tool it has (ArcticTraining's setup)
+bench --seq-len 16K --sp 2 --reps 3 --cycles 2 --impl deepspeed deepspeed-alst ours-dropin ours
 # 3. TiledMLP and sequence_tiled_compute against DeepSpeed's at equal shards (one rank's tokens)
 bench --tiled-iters 8 --seq-len 2K 4K
 # 4. the longest sequence whose step fits 2.5 GiB of RSS per rank, three recipes, sp 2
