@@ -198,10 +198,14 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
     if warm_up:
         name, impl, _, section = entries[0]
         begin = time.monotonic()
-        launch({"impl": impl, "seq_len": seq_lens[0], "sp": sps[0], "steps": steps or cycles * sps[0],
-                "warmup": warmup, "packed_docs": packed_docs, "model": model or {}, "section": section,
-                "profile": False}, sps[0], _workdir(), timeout)
-        log(f"{name:>24} S={seq_lens[0]:>6} sp={sps[0]}: machine warm-up launch, not recorded "
+        try:
+            launch({"impl": impl, "seq_len": seq_lens[0], "sp": sps[0], "steps": steps or cycles * sps[0],
+                    "warmup": warmup, "packed_docs": packed_docs, "model": model or {}, "section": section,
+                    "profile": False}, sps[0], _workdir(), timeout)
+            outcome = "not recorded"
+        except RuntimeError as exc:  # it only warms the machine: a failure here must not void the suite
+            outcome = f"FAILED ({str(exc).splitlines()[-1]}), going on"
+        log(f"{name:>24} S={seq_lens[0]:>6} sp={sps[0]}: machine warm-up launch, {outcome} "
             f"({time.monotonic() - begin:.0f}s)")
     for seq_len in seq_lens:
         for sp in sps:

@@ -379,4 +379,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The result is written and closed. Interpreter teardown then aborted a finished rank ("terminate called
+    # without an active exception": a C++ thread destroyed while still joinable) in 2 launches of ~150 on
+    # 2026-11-24, voiding figures already on disk; a finished rank leaves without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -9,7 +9,7 @@ import pytest
 
 from ds_ulysses import cli
 from ds_ulysses.planner import parse_size
-from benchmarks import maxseq, tiled
+from benchmarks import bench, maxseq, tiled
 from benchmarks.bench import NOISE_ARM, launch_time, parse_bytes
 from benchmarks.report import ratio_rows, target_verdict, ulysses_min_bytes, verdict
 
@@ -105,6 +105,22 @@ def test_a_ratio_row_shows_the_seconds_and_bytes_of_the_launches_it_pairs():
     (row,) = ratio_rows(records)
     assert (row["ds_time"], row["time"], row["time_ratio"]) == (4.0, 3.0, 0.75)
     assert (row["ds_peak"], row["peak"], row["mem_ratio"]) == (300, 150, 0.5)
+
+
+def test_a_failed_warm_up_launch_does_not_void_the_suite(tmp_path, monkeypatch):
+    def broken(spec, world, workdir, timeout):
+        raise RuntimeError(f"benchmark launch of {spec['impl']} failed; log tail:\nterminate called")
+
+    monkeypatch.setattr(bench, "launch", broken)
+    printed = []
+    out = tmp_path / "runs.jsonl"
+    records = bench.run_suite([64], [2], ["deepspeed"], reps=1, steps=1, warmup=0, out=out, noise=False,
+                              profile_reps=0, log=printed.append)
+    assert records == []
+    assert "machine warm-up launch, FAILED (terminate called), going on" in printed[0]
+    # the suite went on to its recorded launch, which failed in turn and was written down as such
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["name"] == "deepspeed" and "terminate called" in record["error"]
 
 
 @pytest.mark.parametrize("per_token,base,budget", [(1000, 10_000, 3_000_000), (37, 123_457, 400_000),
