@@ -11,7 +11,7 @@ bench() { DS_ACCELERATOR=cpu "$PY" -m benchmarks.bench --out "$OUT" "$@"; }
 #    launched twice per repetition) and one profiled step per launch of the first repetition; a launch's
 #    time is its fastest of --cycles adapter refill cycles
 bench --seq-len 4K 8K --sp 2 --reps 3 --cycles 3
-bench --seq-len 4K --sp 4 --reps 3
+bench --seq-len 4K --sp 4 --reps 3 --cycles 2
 # 2. at 16K also DeepSpeed with every ALST tool it has (ArcticTraining's setup)
 bench --seq-len 16K --sp 2 --reps 3 --cycles 2 --impl deepspeed deepspeed-alst ours-dropin ours
 # 3. TiledMLP and sequence_tiled_compute against DeepSpeed's at equal shards (one rank's tokens)
