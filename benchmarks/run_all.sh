@@ -18,5 +18,7 @@ bench --seq-len 16K --sp 2 --reps 3 --cycles 2 --impl deepspeed deepspeed-alst o
 bench --tiled-iters 8 --seq-len 2K 4K
 # 4. the longest sequence whose step fits 2.5 GiB of RSS per rank, three recipes, sp 2
 bench --max-seq 2.5G --sp 2 --impl deepspeed deepspeed-alst ours
+# 5. the memory planner's anchor: DeepSpeed at S=64 (its RSS is the runtime and the model states alone)
+bench --seq-len 64 --sp 2 4 --reps 1 --impl deepspeed --no-noise --no-warm-up --profile-reps 0
 
 "$PY" -m benchmarks.bench --out "$OUT" --report-only --report benchmarks/results
