@@ -195,13 +195,16 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
     run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     records = []
     out.parent.mkdir(parents=True, exist_ok=True)
+
+    def spec_of(impl, seq_len, sp, section, profile):
+        return {"impl": impl, "seq_len": seq_len, "sp": sp, "steps": steps or cycles * sp, "warmup": warmup,
+                "packed_docs": packed_docs, "model": model or {}, "section": section, "profile": profile}
+
     if warm_up:
         name, impl, _, section = entries[0]
         begin = time.monotonic()
         try:
-            launch({"impl": impl, "seq_len": seq_lens[0], "sp": sps[0], "steps": steps or cycles * sps[0],
-                    "warmup": warmup, "packed_docs": packed_docs, "model": model or {}, "section": section,
-                    "profile": False}, sps[0], _workdir(), timeout)
+            launch(spec_of(impl, seq_lens[0], sps[0], section, False), sps[0], _workdir(), timeout)
             outcome = "not recorded"
         except RuntimeError as exc:  # it only warms the machine: a failure here must not void the suite
             outcome = f"FAILED ({str(exc).splitlines()[-1]}), going on"
@@ -213,10 +216,7 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
             for rep in range(reps):
                 shift = rep % len(entries)
                 for order, (name, impl, variant, section) in enumerate(entries[shift:] + entries[:shift]):
-                    spec = {"impl": impl, "seq_len": seq_len, "sp": sp, "steps": steps or cycles * sp,
-                            "warmup": warmup,
-                            "packed_docs": packed_docs, "model": model or {}, "section": section,
-                            "profile": rep < profile_reps}
+                    spec = spec_of(impl, seq_len, sp, section, rep < profile_reps)
                     begin = time.monotonic()
                     record = {"kind": "step", **spec, "variant": variant, "name": name, "rep": rep, "order": order,
                               "run": run_id, "date": time.strftime("%Y-%m-%d %H:%M"), "load_before": _loadavg()}
