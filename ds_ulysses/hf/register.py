@@ -17,9 +17,10 @@ Two scopes:
   The model gets a private copy of its config (models built from one config object share it), so its
   mask builder can be told apart from other models' too.
 
-Either way, the decoder of a model SP serves gets a pre-forward hook that judges the call's
-position_ids before Transformers would invent local ones (silently wrong under SP); under the global
-scope the hook is added to every model built while the registration is active. Every change goes
+Either way, the decoder of a model SP serves gets forward hooks (:mod:`ds_ulysses.hf.decoder_watch`)
+that judge the call's position_ids before Transformers would invent local ones (silently wrong under SP)
+and refuse a forward that never reached the SP attention; under the global scope they are added to every
+model built while the registration is active. Every change goes
 through :data:`ds_ulysses.patching.PATCHES`; :func:`unregister_from_transformers` (and
 ``ds_ulysses.uninstall``) undoes all of them. Models SP would compute silently wrong are refused here,
 before any collective (:func:`ds_ulysses.hf.servable.check_model_servable`).
@@ -36,8 +37,7 @@ import torch
 from ..distributed.mesh import Mesh, build_mesh
 from ..patching import PATCHES
 from ..sp.attention import HUB_KERNEL, UlyssesAttention, check_core_attention
-from ..sp.forward_check import check_positions
-from ..sp.shards import SHARDS
+from .decoder_watch import sp_active, watch_decoder
 from .model_facts import config_value, text_config
 from .servable import check_model_servable, decoder_of, sliding_layers
 
@@ -81,7 +81,7 @@ class _Dispatch:
         uattn = self.attention_for(module)
         if uattn is None:  # not SP's (a vision tower, another model): the original core
             return self.attention(module, query, key, value, attention_mask, *args, **kwargs)
-        if attention_mask is not None and _sp_active(uattn, module) and \
+        if attention_mask is not None and sp_active(uattn, module) and \
                 id(getattr(module, "config", None)) in self.sp_configs:
             # this model's mask builder returns None under SP, so the mask was made by the module itself
             raise ValueError(
@@ -278,7 +278,7 @@ def _serve_model(dispatch: _Dispatch, model, uattn) -> None:
         dispatch.by_module[module] = uattn
     dispatch.sp_configs[id(text)] = (uattn, model)
     PATCHES.on_undo(functools.partial(_forget, dispatch, list(decoder.modules()), id(text)), _TAG, owner=model)
-    _watch_decoder(decoder, uattn, owner=model)
+    watch_decoder(decoder, uattn, owner=model, tag=_TAG)
 
 
 def _forget(dispatch: _Dispatch, modules, config_id: int) -> None:
@@ -321,77 +321,7 @@ def _adopt(model) -> None:
     if not _is_causal(decoder):
         return  # an encoder or a vision/audio tower: never SP's
     dispatch.sp_configs[id(text)] = (dispatch.global_attn, decoder)
-    _watch_decoder(decoder, dispatch.global_attn, owner=None)
-
-
-def _watch_decoder(decoder, uattn, owner) -> None:
-    """Hooks around the decoder's forward: its position_ids are judged before Transformers could
-    invent local ones, and a forward that never reached the SP attention is an error, not plain
-    data parallelism (a model that chose its attention path at construction, say). A decoder an
-    earlier registration watched (a model built under one global registration and registered again,
-    as a second Trainer in the same process does) gets this registration's hooks instead."""
-    for handle in decoder.__dict__.get("_ulysses_hooks", (None,))[1:]:
-        handle.remove()
-    before = decoder.register_forward_pre_hook(functools.partial(_check_positions, uattn), with_kwargs=True)
-    after = decoder.register_forward_hook(functools.partial(_check_sp_ran, uattn))
-    decoder.__dict__["_ulysses_hooks"] = (uattn, before, after)
-    decoder.__dict__["_ulysses_watched"] = uattn.watch.step
-    for handle in (before, after):
-        PATCHES.on_undo(handle.remove, _TAG, owner=owner)
-    PATCHES.on_undo(lambda: [decoder.__dict__.pop(k, None) for k in ("_ulysses_watched", "_ulysses_hooks")], _TAG,
-                    owner=owner)
-
-
-def _sp_active(uattn, module) -> bool:
-    return uattn.world_size > 1 and not (uattn.disable_in_eval and not module.training)
-
-
-def _check_sp_ran(uattn, module, args, output):
-    if _sp_active(uattn, module) and uattn.watch.step == module.__dict__.get("_ulysses_watched"):
-        raise ValueError(
-            f"model not servable by Ulysses SP: {type(module).__name__}.forward ran without the SP attention: none "
-            f"of its layers called Transformers' attention function '{uattn.core_attn_implementation}' (the model "
-            "computes attention itself on this path, as Falcon does under sdpa), so every rank attended only to its "
-            "own shard; expected the model to look its attention up by that name at every call; fix: build the "
-            f"model with attn_implementation='{uattn.core_attn_implementation}' before registering SP, try another "
-            "core (flash_attention_2), or train this model without sequence parallelism")
-
-
-def _check_positions(uattn, module, args, kwargs):
-    """Decoder pre-hook: judge the call's position_ids before the model uses them.
-
-    The verdict reaches every SP rank through the attention's first gather. A mis-shaped tensor is
-    swapped for a local stand-in so this rank gets that far (RoPE would raise here, alone). The
-    attention's gathered positions are scoped to this forward (gradient-checkpointing recomputes in
-    backward still reuse them).
-    """
-    ids = args[0] if args else kwargs.get("input_ids")
-    if not _sp_active(uattn, module):
-        if uattn.world_size > 1 and SHARDS.is_shard(uattn.process_group, ids):
-            raise ValueError(
-                f"{type(module).__name__} got a sequence shard from UlyssesSPDataLoaderAdapter in eval mode, where "
-                "SP is disabled (disable_in_eval; Accelerate and the Trainer always register it so): each rank would "
-                "attend only within its own shard, silently wrong; expected whole samples when SP is off; fix: "
-                "evaluate with a loader the adapter does not wrap (under Accelerate, prepare the eval DataLoader in "
-                "its own accelerator.prepare call), or keep SP on in eval (disable_in_eval false, under "
-                "ds_ulysses.initialize)")
-        return None
-    uattn.new_forward()
-    module.__dict__["_ulysses_watched"] = uattn.watch.step
-    uattn.shard_verdict = SHARDS.verdict(uattn.process_group, ids)
-    positional = len(args) > 2  # forward(input_ids, attention_mask, position_ids, ...)
-    given = args[2] if positional else kwargs.get("position_ids")
-    ref = ids if torch.is_tensor(ids) else kwargs.get("inputs_embeds")
-    if not torch.is_tensor(ref) or ref.dim() < 2:
-        return None
-    bs, sl_l = ref.shape[:2]
-    uattn.input_verdict = check_positions(given, bs, sl_l)
-    if uattn.input_verdict.ok or given is None:
-        return None
-    standin = torch.arange(sl_l, device=ref.device).expand(bs, sl_l)
-    if positional:
-        return (*args[:2], standin, *args[3:]), kwargs
-    return args, {**kwargs, "position_ids": standin}
+    watch_decoder(decoder, dispatch.global_attn, owner=None, tag=_TAG)
 
 
 def sp_attention_of(model):

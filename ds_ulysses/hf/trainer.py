@@ -21,7 +21,7 @@ the Trainer computes the loss with ``deepspeed_sp_compute_loss``. After :func:`d
 Evaluation under Accelerate runs without SP: Accelerate registers the attention with
 ``disable_in_eval=True`` and the Trainer's evaluation loop gives each rank whole samples (labels,
 logits and metrics per sample), so each rank evaluates its own samples in full, exactly. A batch the
-adapter sharded reaching the model in eval mode is refused (the hook in :mod:`ds_ulysses.hf.register`).
+adapter sharded reaching the model in eval mode is refused (the hook in :mod:`ds_ulysses.hf.decoder_watch`).
 """
 
 from __future__ import annotations

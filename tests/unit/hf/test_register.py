@@ -335,20 +335,3 @@ def test_uninstall_restores_every_table_class_and_model_it_touched():
     for touched, restored in run_distributed(_uninstall, 2):
         assert all(touched.values()), touched
         assert all(restored.values()), restored
-
-
-def _bypassed(rank, world_size):
-    model = tiny_model(tiny_config("llama"))
-    UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world_size, 1, scope="model")
-    model.config._attn_implementation = "eager"  # after registration: attention no longer looks up 'sdpa'
-    sl_l = 8
-    try:
-        model(input_ids=torch.randint(0, 100, (1, sl_l)), position_ids=torch.arange(rank * sl_l, (rank + 1) * sl_l)[None])
-    except ValueError as err:
-        return str(err)
-    return "NO ERROR"
-
-
-def test_a_forward_that_never_reaches_the_sp_attention_is_an_error_not_plain_data_parallelism():
-    for message in run_distributed(_bypassed, 2):
-        assert "model not servable by Ulysses SP: LlamaModel.forward ran without the SP attention" in message, message

@@ -1,0 +1,93 @@
+"""The forward hooks a decoder SP serves gets: its position_ids judged before the model uses them, and
+a forward that never reached the SP attention refused.
+
+Transformers invents local position_ids (``arange`` over the shard) when a call passes none, which is
+silently wrong under SP; the pre-forward hook sees the call first. A model that computes attention
+itself on some path (Falcon under sdpa) never calls the registered function, so every rank would
+attend only to its own shard; the post-forward hook notices that no SP attention ran during the
+forward. Both are added by :mod:`ds_ulysses.hf.register`, which also undoes them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..patching import PATCHES
+from ..sp.forward_check import check_positions
+from ..sp.shards import SHARDS
+
+__all__ = ["watch_decoder", "sp_active"]
+
+
+def watch_decoder(decoder, uattn, owner, tag: str) -> None:
+    """Hooks around the decoder's forward: its position_ids are judged before Transformers could
+    invent local ones, and a forward that never reached the SP attention is an error, not plain
+    data parallelism (a model that chose its attention path at construction, say). A decoder an
+    earlier registration watched (a model built under one global registration and registered again,
+    as a second Trainer in the same process does) gets this registration's hooks instead. The hooks
+    are undone with the registration's ``tag``, as belonging to ``owner`` (the model registered by
+    object; None for a global registration)."""
+    for handle in decoder.__dict__.get("_ulysses_hooks", (None,))[1:]:
+        handle.remove()
+    before = decoder.register_forward_pre_hook(functools.partial(_check_positions, uattn), with_kwargs=True)
+    after = decoder.register_forward_hook(functools.partial(_check_sp_ran, uattn))
+    decoder.__dict__["_ulysses_hooks"] = (uattn, before, after)
+    decoder.__dict__["_ulysses_watched"] = uattn.watch.step
+    for handle in (before, after):
+        PATCHES.on_undo(handle.remove, tag, owner=owner)
+    PATCHES.on_undo(lambda: [decoder.__dict__.pop(k, None) for k in ("_ulysses_watched", "_ulysses_hooks")], tag,
+                    owner=owner)
+
+
+def sp_active(uattn, module) -> bool:
+    return uattn.world_size > 1 and not (uattn.disable_in_eval and not module.training)
+
+
+def _check_sp_ran(uattn, module, args, output):
+    if sp_active(uattn, module) and uattn.watch.step == module.__dict__.get("_ulysses_watched"):
+        raise ValueError(
+            f"model not servable by Ulysses SP: {type(module).__name__}.forward ran without the SP attention: none "
+            f"of its layers called Transformers' attention function '{uattn.core_attn_implementation}' (the model "
+            "computes attention itself on this path, as Falcon does under sdpa), so every rank attended only to its "
+            "own shard; expected the model to look its attention up by that name at every call; fix: build the "
+            f"model with attn_implementation='{uattn.core_attn_implementation}' before registering SP, try another "
+            "core (flash_attention_2), or train this model without sequence parallelism")
+
+
+def _check_positions(uattn, module, args, kwargs):
+    """Decoder pre-hook: judge the call's position_ids before the model uses them.
+
+    The verdict reaches every SP rank through the attention's first gather. A mis-shaped tensor is
+    swapped for a local stand-in so this rank gets that far (RoPE would raise here, alone). The
+    attention's gathered positions are scoped to this forward (gradient-checkpointing recomputes in
+    backward still reuse them).
+    """
+    ids = args[0] if args else kwargs.get("input_ids")
+    if not sp_active(uattn, module):
+        if uattn.world_size > 1 and SHARDS.is_shard(uattn.process_group, ids):
+            raise ValueError(
+                f"{type(module).__name__} got a sequence shard from UlyssesSPDataLoaderAdapter in eval mode, where "
+                "SP is disabled (disable_in_eval; Accelerate and the Trainer always register it so): each rank would "
+                "attend only within its own shard, silently wrong; expected whole samples when SP is off; fix: "
+                "evaluate with a loader the adapter does not wrap (under Accelerate, prepare the eval DataLoader in "
+                "its own accelerator.prepare call), or keep SP on in eval (disable_in_eval false, under "
+                "ds_ulysses.initialize)")
+        return None
+    uattn.new_forward()
+    module.__dict__["_ulysses_watched"] = uattn.watch.step
+    uattn.shard_verdict = SHARDS.verdict(uattn.process_group, ids)
+    positional = len(args) > 2  # forward(input_ids, attention_mask, position_ids, ...)
+    given = args[2] if positional else kwargs.get("position_ids")
+    ref = ids if torch.is_tensor(ids) else kwargs.get("inputs_embeds")
+    if not torch.is_tensor(ref) or ref.dim() < 2:
+        return None
+    bs, sl_l = ref.shape[:2]
+    uattn.input_verdict = check_positions(given, bs, sl_l)
+    if uattn.input_verdict.ok or given is None:
+        return None
+    standin = torch.arange(sl_l, device=ref.device).expand(bs, sl_l)
+    if positional:
+        return (*args[:2], standin, *args[3:]), kwargs
+    return args, {**kwargs, "position_ids": standin}
