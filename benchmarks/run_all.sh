@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces benchmarks/results/ (results.md, *.png, runs.jsonl): about 2 hours on 2 CPU cores (sp 4 runs 4 processes on them).
+# Reproduces benchmarks/results/ (results.md, *.png, runs.jsonl): about 3 hours on 2 CPU cores (sp 4 runs 4 processes on them).
 # Every `bench` call appends its launches to runs.jsonl; the last call rebuilds the report from all of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +14,9 @@ bench --seq-len 4K 8K --sp 2 --reps 3 --cycles 3
 bench --seq-len 4K --sp 4 --reps 3 --cycles 2
 # 2. at 16K also DeepSpeed with every ALST tool it has (ArcticTraining's setup)
 bench --seq-len 16K --sp 2 --reps 3 --cycles 2 --impl deepspeed deepspeed-alst ours-dropin ours
+# 2b. the product path at 32K (DeepSpeed's recipe peaks near 10.5 GiB per rank: nothing else may run
+#     beside it on a 24 GiB machine), one refill cycle per launch (a step is ~1.5 min), no profile
+bench --seq-len 32K --sp 2 --reps 3 --cycles 1 --impl deepspeed ours --profile-reps 0
 # 3. TiledMLP and sequence_tiled_compute against DeepSpeed's at equal shards (one rank's tokens)
 bench --tiled-iters 8 --seq-len 2K 4K
 # 4. the longest sequence whose step fits 2.5 GiB of RSS per rank, three recipes, sp 2
