@@ -21,7 +21,7 @@ from .evaluate import buckets_arg, evaluate_positions
 from .progress import ProgressLine
 from .recipe import build_model, data_position, samples_needed, set_cpu_threads
 
-__all__ = ["parse_args", "train"]
+__all__ = ["parse_args", "train", "main"]
 
 
 def parse_args(argv=None):
@@ -106,3 +106,18 @@ def train(argv=None) -> dict:
             print(f"eval: mean loss {result.overall:.4f} over {int(result.counts.sum())} held-out tokens "
                   f"-> {csv}, {png}" + (f"; checkpoint {saved}" if saved else ""), flush=True)
     return {"losses": losses, "engine": trainer, "checkpoint": saved, "eval": result, "eval_samples": n_eval}
+
+
+def main(argv=None) -> int:
+    """The script's entry: :func:`train`, then every rank leaves its process groups together.
+
+    A process that exits with its gloo groups alive can abort at interpreter teardown ("terminate called
+    without an active exception"): a gloo worker thread releasing the last collective's tensors needs
+    the GIL the exiting interpreter no longer hands out (pytorch/pytorch#190489; seen here after the
+    evaluation's all_reduce). The barrier waits for every earlier collective of the default group and
+    releases the GIL while it waits; the groups are then shut down while the interpreter is alive.
+    """
+    train(argv)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

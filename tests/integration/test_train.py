@@ -8,7 +8,8 @@
   ``from_pretrained``, gives the SP engine's logits (gathered over the SP group), rel 1e-5;
 - the exported model's loss by position without SP equals the engine's with SP, rel 1e-5;
 - the same checkpoint under another mesh is refused with the difference named;
-- the launchers: ``deepspeed`` and ``torchrun`` run the script.
+- the launchers: ``deepspeed`` and ``torchrun`` run the script, whose entry leaves no process group
+  behind (a live gloo group aborted a finished rank at interpreter teardown).
 """
 
 import importlib.util
@@ -177,6 +178,18 @@ def test_exported_model_eval_without_sp_equals_engine_eval_with_sp(tmp_path, uni
     assert main(["eval", str(tmp_path / "hf"), "--seq-len", str(SEQ), "--buckets", "16"]) == 0
     assert (tmp_path / "hf" / "eval" / "loss_by_position.png").is_file()
     assert (out / "eval" / "loss_by_position.csv").read_text().startswith("position_start,position_end")
+
+
+def _script_entry(rank, world_size, out, model_dir):
+    import torch.distributed as dist
+
+    code = _example().main(_args(out, model_dir, "--steps", "2", "--save-every", "0"))
+    return code, dist.is_initialized()
+
+
+def test_the_script_entry_destroys_its_process_groups(tmp_path, tiny_model_dir):
+    for code, initialized in run_distributed(_script_entry, 2, str(tmp_path / "out"), str(tiny_model_dir)):
+        assert code == 0 and not initialized
 
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
