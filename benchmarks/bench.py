@@ -333,7 +333,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "interleaved in one process group) for N iterations")
     parser.add_argument("--tiled-iters", type=int, default=0, metavar="N",
                         help="instead of training steps, time TiledMLP and sequence_tiled_compute against "
-                             "DeepSpeed's at equal shards (N interleaved iterations, one process per measurement)")
+                             "DeepSpeed's (and DeepSpeed's against itself: the noise) at equal shards, N "
+                             "interleaved iterations per process, --reps processes per operation and length")
     parser.add_argument("--max-seq", metavar="BUDGET", default=None,
                         help="instead of a fixed S, search the longest S whose step fits BUDGET of RSS per rank "
                              "(e.g. 4G) for each --impl / --variant")
@@ -397,7 +398,7 @@ def run_command(args: argparse.Namespace) -> int:
     elif args.tiled_iters > 0:
         from .tiled import format_tiled, run_tiled_suite
 
-        print(format_tiled(run_tiled_suite(seq_lens, args.tiled_iters, out, args.timeout)))
+        print(format_tiled(run_tiled_suite(seq_lens, args.tiled_iters, out, args.timeout, reps=args.reps)))
     elif args.layer_iters > 0:
         run_layer_suite(seq_lens, args.sp, args.layer_iters, out, args.timeout)
     else:

@@ -1,13 +1,16 @@
 """TiledMLP, sequence_tiled_compute and TiledFusedLogitsLoss against DeepSpeed's, at equal shards.
 
-One process per (operation, length), no process group: both implementations run the same function
-on the same module and input with the same tile count, forward + backward, alternating every
-iteration (the first iteration warms both up and is not counted). Time is the median wall time per
-iteration; memory is the median of the RSS high-water mark above the RSS before the call (the
+One process per (operation, length, repetition), no process group: DeepSpeed's implementation,
+DeepSpeed's again (the noise arm) and ours run the same function on the same module and input with
+the same tile count, forward + backward, in an order rotated every iteration (the first iteration
+warms them up and is not counted). A process's time is the median wall time per iteration; its
+memory is the median of the RSS high-water mark above the RSS before the call (the
 mark is reset with ``/proc/self/clear_refs`` before each call, and the process runs with a fixed
 ``MALLOC_MMAP_THRESHOLD_`` so that freed tensors leave the RSS at once: glibc would otherwise keep
 one implementation's freed blocks resident and hand them to the other for free). Parameter
-gradients are dropped before each call, so both allocate them. Outputs and gradients are compared.
+gradients are dropped before each call, so each allocates them. Outputs and gradients are compared.
+The report takes ours / DeepSpeed per process and its median over the repetitions; the noise is
+``max |again / DeepSpeed - 1|`` over them, as for the training steps (:mod:`benchmarks.report`).
 
 The operations, with the benchmark model's sizes (hidden 256, intermediate 688, vocab 32000):
 
@@ -34,6 +37,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from .bench import NOISE_ARM
 
 __all__ = ["OPS", "run", "run_tiled_suite", "format_tiled", "MALLOC_ENV"]
 
@@ -88,7 +93,7 @@ def _calls(op: str, model: dict, seq_len: int):
 
     import ds_ulysses as ours
 
-    libs = {"deepspeed": ds, "ours": ours}
+    libs = {"deepspeed": ds, NOISE_ARM: ds, "ours": ours}
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, seq_len, model["hidden"], generator=g)  # [bs sl h]
     if op in ("tiled_mlp", "stc_mlp"):
@@ -126,7 +131,7 @@ def _calls(op: str, model: dict, seq_len: int):
 
 
 def run(op: str, seq_len: int, iters: int, model: dict | None = None) -> dict:
-    """Both implementations of ``op`` on one rank's ``seq_len`` tokens, interleaved ``iters`` times."""
+    """The three arms of ``op`` on one rank's ``seq_len`` tokens, interleaved ``iters`` times."""
     from .rank import MODEL_DEFAULTS
 
     torch.set_num_threads(1)
@@ -136,7 +141,8 @@ def run(op: str, seq_len: int, iters: int, model: dict | None = None) -> dict:
     peaks = {name: [] for name in calls}
     results = {}
     for it in range(iters + 1):
-        order = list(calls) if it % 2 == 0 else list(reversed(calls))
+        names = list(calls)
+        order = names[it % len(names):] + names[:it % len(names)]
         for name in order:
             for p in params:
                 p.grad = None
@@ -162,8 +168,10 @@ def run(op: str, seq_len: int, iters: int, model: dict | None = None) -> dict:
             "times": times, "peaks": peaks}
 
 
-def run_tiled_suite(seq_lens, iters: int, out: Path, timeout: float = 1800.0, ops=OPS, log=print) -> list[dict]:
-    """Each operation at each per-rank length, in its own process."""
+def run_tiled_suite(seq_lens, iters: int, out: Path, timeout: float = 1800.0, ops=OPS, log=print,
+                    reps: int = 3) -> list[dict]:
+    """Each operation at each per-rank length, in its own process, ``reps`` times (every operation and
+    length once per repetition, so a repetition's processes are minutes apart)."""
     import os
 
     from .bench import _workdir, launch
@@ -173,24 +181,26 @@ def run_tiled_suite(seq_lens, iters: int, out: Path, timeout: float = 1800.0, op
     saved = {k: os.environ.get(k) for k in MALLOC_ENV}
     os.environ.update(MALLOC_ENV)
     try:
-        for seq_len in seq_lens:
-            for op in ops:
-                spec = {"impl": "tiled", "op": op, "seq_len": seq_len, "sp": 1, "iters": iters}
-                record = {"kind": "tiled", **spec, "name": op, "date": time.strftime("%Y-%m-%d %H:%M")}
-                try:
-                    record["result"] = launch(spec, 1, _workdir(), timeout)[0]
-                except RuntimeError as exc:
-                    record["error"] = str(exc)[-2000:]
-                with open(out, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                if "error" in record:
-                    log(f"{op} sl={seq_len}: FAILED ({record['error'].splitlines()[-1]})")
-                    continue
-                records.append(record)
-                res = record["result"]
-                log(f"{op} sl={seq_len} shards={res['shards']}: DeepSpeed {res['deepspeed_s']:.3f}s "
-                    f"{res['deepspeed_peak'] / 2**20:.0f} MiB, ours {res['ours_s']:.3f}s "
-                    f"{res['ours_peak'] / 2**20:.0f} MiB")
+        for rep in range(reps):
+            for seq_len in seq_lens:
+                for op in ops:
+                    spec = {"impl": "tiled", "op": op, "seq_len": seq_len, "sp": 1, "iters": iters}
+                    record = {"kind": "tiled", **spec, "name": op, "rep": rep,
+                              "date": time.strftime("%Y-%m-%d %H:%M")}
+                    try:
+                        record["result"] = launch(spec, 1, _workdir(), timeout)[0]
+                    except RuntimeError as exc:
+                        record["error"] = str(exc)[-2000:]
+                    with open(out, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    if "error" in record:
+                        log(f"rep {rep} {op} sl={seq_len}: FAILED ({record['error'].splitlines()[-1]})")
+                        continue
+                    records.append(record)
+                    res = record["result"]
+                    log(f"rep {rep} {op} sl={seq_len} shards={res['shards']}: " + ", ".join(
+                        f"{name} {res[f'{name}_s']:.3f}s {res[f'{name}_peak'] / 2**20:.0f} MiB"
+                        for name in ("deepspeed", NOISE_ARM, "ours")))
     finally:
         for k, v in saved.items():
             if v is None:
@@ -205,23 +215,35 @@ def _spread(values, scale=1.0, digits=3) -> str:
     return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
 
-def format_tiled(records: list[dict]) -> str:
-    from .report import _k, _table
+def _ratio(res: dict, arm: str, key: str) -> float:
+    base = res[f"deepspeed_{key}"]
+    return res[f"{arm}_{key}"] / base if base > 0 else float("nan")
 
-    rows = []
+
+def format_tiled(records: list[dict]) -> str:
+    """One row per (operation, length): medians over the repetitions of each process's medians, ours /
+    DeepSpeed per process with its spread, the noise arm's largest distance from 1, and the verdict
+    against the issue's target (<= 1.0)."""
+    from .report import _k, _noise_text, _table, target_verdict
+
+    groups: dict[tuple, list[dict]] = {}
     for rec in records:
-        res = rec.get("result")
-        if not res:
-            continue
-        t = [o / d for o, d in zip(res["times"]["ours"], res["times"]["deepspeed"])]
-        m = [o / d if d > 0 else float("nan") for o, d in zip(res["peaks"]["ours"], res["peaks"]["deepspeed"])]
-        rows.append([res["op"], _k(res["seq_len"]), res["shards"], res["iters"], _spread(res["times"]["deepspeed"]),
-                     _spread(res["times"]["ours"]), f"**{_spread(t, digits=2)}**",
-                     _spread(res["peaks"]["deepspeed"], 2**20, 0), _spread(res["peaks"]["ours"], 2**20, 0),
-                     f"**{_spread(m, digits=2)}**", "yes" if res["same_output_and_grads"] else "NO"])
-    return _table(["operation", "sl (one rank)", "shards", "iterations", "DeepSpeed s", "ours s",
-                   "time ours/DS per iteration", "DeepSpeed peak MiB above base", "ours peak MiB",
-                   "memory ours/DS per iteration", "same output and grads"], rows)
+        if rec.get("result"):
+            groups.setdefault((rec["seq_len"], OPS.index(rec["op"])), []).append(rec["result"])
+    rows = []
+    for (seq_len, op_index), results in sorted(groups.items()):
+        cells = [OPS[op_index], _k(seq_len), results[0]["shards"], f"{len(results)} x {results[0]['iters']}"]
+        for key, scale, digits in (("s", 1.0, 3), ("peak", 2**20, 0)):
+            ratios = [_ratio(res, "ours", key) for res in results]
+            noise = max(abs(_ratio(res, NOISE_ARM, key) - 1) for res in results)
+            cells += [_spread([res[f"deepspeed_{key}"] for res in results], scale, digits),
+                      _spread([res[f"ours_{key}"] for res in results], scale, digits),
+                      f"**{_spread(ratios, digits=2)}**", _noise_text(noise),
+                      target_verdict(statistics.median(ratios), noise, 1.0)]
+        rows.append(cells + ["yes" if all(res["same_output_and_grads"] for res in results) else "NO"])
+    return _table(["operation", "sl (one rank)", "shards", "processes x iterations", "DeepSpeed s", "ours s",
+                   "time ours/DS", "noise", "time <= 1", "DeepSpeed peak MiB above base", "ours peak MiB",
+                   "memory ours/DS", "noise", "memory <= 1", "same output and grads"], rows)
 
 
 if __name__ == "__main__":  # a quick look without the launcher: python -m benchmarks.tiled OP SEQ ITERS

@@ -149,3 +149,21 @@ def test_tiled_operations_agree_with_deepspeeds(op):
     """The tiled benchmark's pairs compute the same values and gradients in both libraries."""
     result = tiled.run(op, 384, 1, {"hidden": 64, "intermediate": 128, "vocab": 512})
     assert result["same_output_and_grads"], result
+    assert {len(result["times"][arm]) for arm in ("deepspeed", NOISE_ARM, "ours")} == {1}  # the noise arm ran too
+
+
+def test_tiled_table_judges_the_median_ratio_against_the_noise_arm():
+    """Per process ours / DeepSpeed, median over processes; the noise is the largest |again / DS - 1|."""
+    def record(ds, again, ours):
+        mib = 2**20  # memory: ours 10% above DeepSpeed in every process, DeepSpeed's two arms equal
+        result = {"op": "tiled_mlp", "seq_len": 2048, "shards": 8, "iters": 4, "same_output_and_grads": True,
+                  "deepspeed_s": ds, f"{NOISE_ARM}_s": again, "ours_s": ours,
+                  "deepspeed_peak": 10 * mib, f"{NOISE_ARM}_peak": 10 * mib, "ours_peak": 11 * mib}
+        return {"kind": "tiled", "op": "tiled_mlp", "seq_len": 2048, "result": result}
+
+    # time ratios 0.80, 0.90, 0.85 (median 0.85); noise 1.05 and 0.97 against DeepSpeed: ±5%
+    table = tiled.format_tiled([record(1.0, 1.05, 0.80), record(2.0, 1.94, 1.80), record(1.0, 1.0, 0.85)])
+    row = table.splitlines()[-1]
+    assert "| 3 x 4 |" in row and "**0.85 [0.80-0.90]**" in row and "±5.0%" in row
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[8] == "met" and cells[11] == "**1.10 [1.10-1.10]**" and cells[13] == "missed by +10.0%"
