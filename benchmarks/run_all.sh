@@ -20,7 +20,7 @@ bench --seq-len 32K --sp 2 --reps 3 --cycles 1 --impl deepspeed ours --profile-r
 # 2c. the mechanism path at 32K (judged against 2b's noise arm)
 bench --seq-len 32K --sp 2 --reps 3 --cycles 1 --impl deepspeed ours-dropin --profile-reps 0 --no-noise
 # 3. TiledMLP and sequence_tiled_compute against DeepSpeed's at equal shards (one rank's tokens)
-bench --tiled-iters 8 --seq-len 2K 4K
+bench --tiled-iters 6 --reps 3 --seq-len 2K 4K
 # 4. the longest sequence whose step fits 2.5 GiB of RSS per rank, three recipes, sp 2
 bench --max-seq 2.5G --sp 2 --impl deepspeed deepspeed-alst ours
 # 5. the memory planner's anchor: DeepSpeed at S=64 (its RSS is the runtime and the model states alone)

@@ -233,12 +233,12 @@ def format_tiled(records: list[dict]) -> str:
     rows = []
     for (seq_len, op_index), results in sorted(groups.items()):
         cells = [OPS[op_index], _k(seq_len), results[0]["shards"], f"{len(results)} x {results[0]['iters']}"]
-        for key, scale, digits in (("s", 1.0, 3), ("peak", 2**20, 0)):
+        for key, scale, digits, ratio_digits in (("s", 1.0, 3, 2), ("peak", 2**20, 2, 3)):
             ratios = [_ratio(res, "ours", key) for res in results]
             noise = max(abs(_ratio(res, NOISE_ARM, key) - 1) for res in results)
             cells += [_spread([res[f"deepspeed_{key}"] for res in results], scale, digits),
                       _spread([res[f"ours_{key}"] for res in results], scale, digits),
-                      f"**{_spread(ratios, digits=2)}**", _noise_text(noise),
+                      f"**{_spread(ratios, digits=ratio_digits)}**", _noise_text(noise),
                       target_verdict(statistics.median(ratios), noise, 1.0)]
         rows.append(cells + ["yes" if all(res["same_output_and_grads"] for res in results) else "NO"])
     return _table(["operation", "sl (one rank)", "shards", "processes x iterations", "DeepSpeed s", "ours s",

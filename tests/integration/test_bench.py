@@ -166,4 +166,4 @@ def test_tiled_table_judges_the_median_ratio_against_the_noise_arm():
     row = table.splitlines()[-1]
     assert "| 3 x 4 |" in row and "**0.85 [0.80-0.90]**" in row and "±5.0%" in row
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[8] == "met" and cells[11] == "**1.10 [1.10-1.10]**" and cells[13] == "missed by +10.0%"
+    assert cells[8] == "met" and cells[11] == "**1.100 [1.100-1.100]**" and cells[13] == "missed by +10.0%"
