@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces benchmarks/results/ (results.md, *.png, runs.jsonl): about 3 hours on 2 CPU cores (sp 4 runs 4 processes on them).
+# Reproduces benchmarks/results/ (results.md, *.png, runs.jsonl): about 4 hours on 2 CPU cores (sp 4 runs 4 processes on them).
 # Every `bench` call appends its launches to runs.jsonl; the last call rebuilds the report from all of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,8 @@ bench() { DS_ACCELERATOR=cpu "$PY" -m benchmarks.bench --out "$OUT" "$@"; }
 #    launched twice per repetition) and one profiled step per launch of the first repetition; a launch's
 #    time is its fastest of --cycles adapter refill cycles
 bench --seq-len 4K 8K --sp 2 --reps 3 --cycles 3
-bench --seq-len 4K --sp 4 --reps 3 --cycles 2
+bench --seq-len 4K 8K --sp 4 --reps 3 --cycles 2
+bench --seq-len 16K --sp 4 --reps 3 --cycles 1  # 4 processes of a 16K step on 2 cores: one cycle per launch
 # 2. at 16K also DeepSpeed with every ALST tool it has (ArcticTraining's setup)
 bench --seq-len 16K --sp 2 --reps 3 --cycles 2 --impl deepspeed deepspeed-alst ours-dropin ours
 # 2b. the product path at 32K (DeepSpeed's recipe peaks near 10.5 GiB per rank: nothing else may run
