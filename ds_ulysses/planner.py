@@ -10,8 +10,8 @@ activations, and the activations that matter are (1) the hidden states each laye
 recompute (``L sl_l h b``; moved to the host by checkpoint offload), (2) one layer's working set
 while it is recomputed and differentiated (about 20 hidden-sized tensors, see
 :func:`layer_units`), (3) the MLP intermediates (``sl_l I``; bounded to a tile by TiledMLP), and (4)
-the logits (``sl_l V`` in fp32, logits + log-softmax + gradient; bounded to a tile by the tiled
-loss). Ulysses divides all four by sp. ZeRO-3 divides parameters (b_p P), gradients and Adam states
+the logits (``sl_l V`` in fp32: logits + log-softmax + gradient untiled; the tiled loss holds one
+tile's buffer, :mod:`ds_ulysses.memory.fused_ce`). Ulysses divides all four by sp. ZeRO-3 divides parameters (b_p P), gradients and Adam states
 (12 P in fp32) by N, or moves them to the host with offload.
 
 On CPU there is no separate device memory: the prediction for a CPU run is one process's RSS high
@@ -158,7 +158,10 @@ def breakdown(dims: ModelDims, setup: Setup) -> dict[str, tuple[float, float]]:
         out["layer recompute + backward"] = (per_layer + 4 * u, 0.0)  # + incoming and produced grads
     else:
         out["saved activations (all layers)"] = (dims.layers * per_layer + 4 * u, 0.0)
-    logits_bytes = 12 + (4 if b < 4 else 0)  # fp32 logits, log-softmax, grad (+ bf16 logits and upcast)
+    if setup.tiled_loss == 1:
+        logits_bytes = 12 + (4 if b < 4 else 0)  # fp32 logits, log-softmax, grad (+ bf16 logits and upcast)
+    else:
+        logits_bytes = 4 + (2 if b < 4 else 0)  # one fp32 buffer, logits then gradient (+ the bf16 logits it upcasts)
     out["logits + loss"] = (math.ceil(setup.local / setup.tiled_loss) * dims.vocab * logits_bytes, 0.0)
     return out
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ..constants import IGNORE_INDEX
 from ..distributed.watch import GroupWatch
+from ..memory.fused_ce import fusable_head, linear_cross_entropy_sum
 from ..memory.tiled_loss import TiledFusedLogitsLoss
 from ..memory.tiles import resolve_loss_shards, zero3_whole
 from ..patching import PATCHES
@@ -61,11 +62,12 @@ class TiledCausalLMLoss:
         vocab = vocab_size(model, output=True)
         labels, bad = mask_bad_labels(shift_labels.to(hidden.device), vocab)
         tiles = resolve_loss_shards(self.shards, labels.numel(), vocab)  # here, to know whether tiling pays
-        token_ce_sum = functools.partial(_token_ce_sum, transform)
         if tiles == 1:
-            local_sum = token_ce_sum(head, hidden.flatten(0, -2), labels.flatten())  # [n h], [n]
+            local_sum = _token_ce_sum(transform, head, hidden.flatten(0, -2), labels.flatten())  # [n h], [n]
         else:
-            local_sum = TiledFusedLogitsLoss.apply(token_ce_sum, head, hidden, labels, None, tiles, None, "sum")
+            tile_sum = _fused_token_ce_sum if fusable_head(head) else _token_ce_sum
+            local_sum = TiledFusedLogitsLoss.apply(functools.partial(tile_sum, transform), head, hidden, labels,
+                                                   None, tiles, None, "sum")
         counts = TokenCounts(int((labels != IGNORE_INDEX).sum()), int(bad), group, grad_scale, vocab, self.watch)
         return CausalLMOutputWithPast(loss=GlobalTokenMean.apply(local_sum.reshape(()), counts))
 
@@ -76,6 +78,13 @@ def _token_ce_sum(transform, head, x, y):
     if transform is not None:
         logits = transform(logits)
     return F.cross_entropy(logits.float(), y, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _fused_token_ce_sum(transform, head, x, y):
+    """:func:`_token_ce_sum` for a plain linear head, in one ``[n_t V]`` buffer (see
+    :mod:`ds_ulysses.memory.fused_ce`); inside the tiled loss, which keeps the head's weight whole."""
+    scale, softcap = (1.0, None) if transform is None else (transform.scale, transform.softcap)
+    return linear_cross_entropy_sum(x, head.weight, head.bias, y, scale, softcap, IGNORE_INDEX)
 
 
 def tiled_causal_lm_loss(shards="auto", watch: GroupWatch | None = None) -> TiledCausalLMLoss:

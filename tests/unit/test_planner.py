@@ -31,10 +31,16 @@ def test_sequence_parallelism_divides_activations():
         assert eight[term][0] == pytest.approx(one[term][0] / 8, rel=1e-3)
 
 
-def test_tiled_loss_divides_logits_by_the_tile_count():
-    base = breakdown(LLAMA8B, Setup(65536, 1, 1))["logits + loss"][0]
+@pytest.mark.parametrize("act_bytes,untiled,fused", [(4, 12, 4), (2, 16, 6)])
+def test_tiled_loss_holds_one_tile_of_one_buffer(act_bytes, untiled, fused):
+    # untiled: autograd's logits, log-softmax and gradient in fp32 (+ bf16 logits); tiled: one fp32 buffer
+    # per tile (+ the bf16 logits it upcasts), memory.fused_ce
+    logits = 65536 * LLAMA8B.vocab
+    base = breakdown(LLAMA8B, Setup(65536, 1, 1, act_bytes=act_bytes))["logits + loss"][0]
+    assert base == logits * untiled
     for tiles in (2, 8, 64):
-        assert breakdown(LLAMA8B, Setup(65536, 1, 1, tiled_loss=tiles))["logits + loss"][0] == pytest.approx(base / tiles)
+        got = breakdown(LLAMA8B, Setup(65536, 1, 1, act_bytes=act_bytes, tiled_loss=tiles))["logits + loss"][0]
+        assert got == pytest.approx(logits / tiles * fused)
 
 
 def test_tiled_mlp_only_shrinks_the_layer_working_set():

@@ -113,3 +113,27 @@ def test_tiled_causal_lm_loss_equals_untiled_without_recomputing_lm_head(shards,
     # one untiled lm_head call when tiling would save nothing ("auto": 300 x 128 logits are far
     # below a tile's budget); otherwise one per tile, all in forward: backward recomputes nothing
     assert len(calls) == head_calls
+
+
+def test_tiled_causal_lm_loss_fuses_a_plain_linear_head(monkeypatch):
+    """Without hooks on lm_head (the test above counts calls with one, which keeps the module call),
+    each tile runs linear_cross_entropy_sum on lm_head's weight: same loss and gradients."""
+    from ds_ulysses import enable_sp_loss, tiled_causal_lm_loss
+    from ds_ulysses.hf import loss as loss_mod
+
+    fused = []
+    real = loss_mod.linear_cross_entropy_sum
+    monkeypatch.setattr(loss_mod, "linear_cross_entropy_sum", lambda x, *a: fused.append(len(x)) or real(x, *a))
+    model = tiny_llama()
+    ids, labels = llama_batch(2, 3)
+    params = [p for p in model.parameters() if p.requires_grad]
+    want_loss = model(input_ids=ids, labels=labels).loss
+    want = grads_of(0.5 * want_loss, params)
+
+    enable_sp_loss(model, loss_fn=tiled_causal_lm_loss(3))
+    got_loss = model(input_ids=ids, shift_labels=F.pad(labels, (0, 1), value=-100)[:, 1:]).loss
+    got = grads_of(0.5 * got_loss, params)
+
+    assert fused == [100, 100, 100]  # 2 x 150 tokens in 3 tiles
+    assert rel(got_loss, want_loss) <= TOL
+    assert_close(got, want, "grad")

@@ -1,0 +1,122 @@
+"""linear_cross_entropy_sum against the head and loss it replaces, in plain PyTorch:
+``F.cross_entropy(softcap(scale * F.linear(x, w, b)).float(), y, reduction="sum")`` and its autograd
+gradients. fp32: helpers.TOL (a log-sum-exp per token instead of a log_softmax per logit, a few ulps).
+bf16: 1e-2, about two bf16 ulps (2**-8 each): the soft cap's derivative is taken from the fp32 copy of
+the capped logits, where autograd takes it in bf16; without a soft cap the two agree to the bit here.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds_ulysses.memory import fused_ce
+from ds_ulysses.memory.fused_ce import fusable_head, linear_cross_entropy_sum
+
+from .helpers import TOL, rel
+
+N, H, V = 37, 16, 50
+
+
+def reference(x, w, b, y, scale, softcap):
+    logits = F.linear(x, w, b)
+    if scale != 1.0:
+        logits = logits * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits.float(), y, ignore_index=-100, reduction="sum")
+
+
+def leaves(dtype, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, H, generator=g).to(dtype).requires_grad_()
+    w = (2 * torch.randn(V, H, generator=g)).to(dtype).requires_grad_()
+    b = torch.randn(V, generator=g).to(dtype).requires_grad_() if bias else None
+    y = torch.randint(0, V, (N,), generator=g)
+    y[::5] = -100
+    return x, w, b, y
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, TOL), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("scale,softcap", [(1.0, None), (0.0625, None), (8.0, None), (1.0, 0.5), (2.5, 30.0)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk_rows", [None, 3])
+def test_loss_and_gradients_equal_the_head_then_cross_entropy(dtype, tol, scale, softcap, bias, chunk_rows,
+                                                              monkeypatch):
+    if chunk_rows is not None:  # the soft-capped path works in chunks of rows: 13 of 3, the last one short
+        monkeypatch.setattr(fused_ce, "_CHUNK_ELEMENTS", chunk_rows * V)
+    x, w, b, y = leaves(dtype, bias)
+    params = [t for t in (x, w, b) if t is not None]
+    want = reference(x, w, b, y, scale, softcap)
+    want_grads = torch.autograd.grad(0.7 * want, params)  # a scaled incoming gradient, as 0.5 * loss or GAS give
+    got = linear_cross_entropy_sum(x, w, b, y, scale, softcap)
+    got_grads = torch.autograd.grad(0.7 * got, params)
+
+    assert got.dtype == torch.float32
+    assert rel(got, want) <= TOL
+    for name, g, r in zip("xwb", got_grads, want_grads):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        assert rel(g.float(), r.float()) <= tol, (name, rel(g.float(), r.float()))
+
+
+def test_ignored_labels_add_nothing_and_get_no_gradient():
+    x, w, b, y = leaves(torch.float32, bias=True)
+    y[:] = -100
+    got = linear_cross_entropy_sum(x, w, b, y)
+    grads = torch.autograd.grad(got, [x, w, b])
+    assert got.item() == 0.0
+    assert all(g.abs().max().item() == 0.0 for g in grads)
+
+
+def test_an_empty_tile_is_zero_and_differentiable():
+    x, w, b, _ = leaves(torch.float32, bias=False)
+    empty = x[:0]
+    got = linear_cross_entropy_sum(empty, w, b, torch.zeros(0, dtype=torch.long))
+    gx, gw = torch.autograd.grad(got, [empty, w])
+    assert got.item() == 0.0 and gx.shape == (0, H) and gw.abs().max().item() == 0.0
+
+
+def test_without_grad_it_returns_the_loss_only():
+    x, w, b, y = leaves(torch.float32, bias=True)
+    with torch.no_grad():
+        got = linear_cross_entropy_sum(x, w, b, y, 0.5, 30.0)
+        want = reference(x, w, b, y, 0.5, 30.0)
+    assert got.grad_fn is None and rel(got, want) <= TOL
+
+
+def test_only_inputs_that_need_a_gradient_get_one():
+    x, w, b, y = leaves(torch.float32, bias=True)
+    frozen = w.detach()  # a frozen head (LoRA elsewhere), trained input
+    got = linear_cross_entropy_sum(x, frozen, None, y)
+    (gx,) = torch.autograd.grad(got, [x])
+    (want,) = torch.autograd.grad(reference(x, frozen, None, y, 1.0, None), [x])
+    assert rel(gx, want) <= TOL
+
+
+def test_fusable_head_is_a_plain_linear_without_foreign_hooks():
+    class Sub(nn.Linear):
+        pass
+
+    def deepspeed_hook(module, args):
+        return None
+
+    deepspeed_hook.__module__ = "deepspeed.runtime.zero.parameter_offload"  # what ZeRO-3's hooks carry
+
+    assert fusable_head(nn.Linear(4, 6))
+    assert not fusable_head(Sub(4, 6))  # LoRA, quantised and other heads subclass or wrap Linear
+    assert not fusable_head(nn.Embedding(6, 4))
+    wrapped = nn.Linear(4, 6)
+    wrapped.forward = lambda x: nn.Linear.forward(wrapped, x).relu()  # Accelerate-style instance forward
+    assert not fusable_head(wrapped)
+    with_ds = nn.Linear(4, 6)
+    with_ds.register_forward_pre_hook(deepspeed_hook)
+    assert fusable_head(with_ds)
+    for register in ("register_forward_hook", "register_forward_pre_hook"):
+        head = nn.Linear(4, 6)
+        getattr(head, register)(lambda *args: None)  # a user's hook could change the logits: keep the module call
+        assert not fusable_head(head), register
+    handle = nn.modules.module.register_module_forward_hook(lambda *args: None)
+    try:
+        assert not fusable_head(nn.Linear(4, 6))
+    finally:
+        handle.remove()
