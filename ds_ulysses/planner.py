@@ -11,8 +11,9 @@ recompute (``L sl_l h b``; moved to the host by checkpoint offload), (2) one lay
 while it is recomputed and differentiated (about 20 hidden-sized tensors, see
 :func:`layer_units`), (3) the MLP intermediates (``sl_l I``; bounded to a tile by TiledMLP), and (4)
 the logits (``sl_l V`` in fp32: logits + log-softmax + gradient untiled; the tiled loss holds one
-tile's buffer, :mod:`ds_ulysses.memory.fused_ce`). Ulysses divides all four by sp. ZeRO-3 divides parameters (b_p P), gradients and Adam states
-(12 P in fp32) by N, or moves them to the host with offload.
+tile's buffer, :mod:`ds_ulysses.memory.fused_ce`). Ulysses divides all four by sp. ZeRO-3 divides
+parameters (b_p P), gradients and Adam states (12 P in fp32) by N, or moves them to the host with
+offload.
 
 On CPU there is no separate device memory: the prediction for a CPU run is one process's RSS high
 water mark = a measured runtime baseline (Python, torch, DeepSpeed, Transformers, communication
