@@ -17,9 +17,10 @@ _TAG = "tiled_mlp"
 def tile_mlps(model, shards="auto"):
     """Run every module named `mlp` in `model` through `TiledMLP`, without editing model code.
 
-    Each MLP's own forward is called per tile (gate/up/down Llama MLPs and any token-wise MLP alike),
-    through an instance attribute that shadows the class's forward, so other models of the same class
-    are untouched. `shards` is an int or "auto" (`ceil(sl / h)`, agreed over ranks). The MLP must
+    Each MLP's own forward is called per tile (gate/up/down Llama MLPs and any token-wise MLP alike)
+    with the rank of its input (backward's flattened `[n_t, h]` tiles as `[1, n_t, h]`), through an
+    instance attribute that shadows the class's forward, so other models of the same class are
+    untouched. `shards` is an int or "auto" (`ceil(sl / h)`, agreed over ranks). The MLP must
     return one tensor (MoE blocks that also return router logits are not supported). Idempotent;
     returns how many MLPs run tiled after the call. Undone by `untile_mlps` or `ds_ulysses.uninstall`.
     """
@@ -47,5 +48,12 @@ def untile_mlps(model):
 
 
 def _tiled_mlp_forward(module, forward, x, *args, **kwargs):
-    return TiledMLP.apply(lambda _module, tile: forward(tile, *args, **kwargs), module, x,
-                          module._ds_ulysses_shards, None)
+    lead = (1,) * (x.dim() - 2)
+
+    def per_tile(_module, tile):
+        if len(lead) + 2 == tile.dim():
+            return forward(tile, *args, **kwargs)
+        # backward's [n_t, h] tiles reach the model's forward with the rank it was written for
+        return forward(tile.view(*lead, *tile.shape), *args, **kwargs).reshape(tile.shape[0], -1)
+
+    return TiledMLP.apply(per_tile, module, x, module._ds_ulysses_shards, None)

@@ -1,7 +1,8 @@
 """TiledMLP: an MLP over sequence tiles, so its ``[bs, sl, intermediate]`` activations exist one tile at a
 time (ALST's TiledMLP); backward recomputes each tile, the price of never holding them all.
 
-Dimensions: bs batch, sl sequence, sl_t one tile of it, h hidden, h_out the MLP's output width.
+Dimensions: bs batch, sl sequence, sl_t one tile of it, h hidden, h_out the MLP's output width,
+n = bs*sl flattened tokens, n_t one tile of them.
 """
 
 import torch
@@ -16,13 +17,15 @@ class TiledMLP(torch.autograd.Function):
     """`fn(module, x_tile) -> y_tile` over sequence tiles of `x` (`[bs, sl, h]` or `[sl, h]`, tiled on dim -2).
 
     Output is the tiles concatenated on dim -2. `shards` is an int >= 1 or "auto"
-    (`agree_on_shards(auto_mlp_shards(sl, h))`); tiles have `torch.tensor_split`'s sizes. Tiles are
-    contiguous, so `fn` may `.view` them. `compute_params` lists the trainable parameters `fn` uses
-    (DeepSpeed's call: `TiledMLP.apply(fn, self, x, shards, [self.up_proj.weight, ...])`, also from
-    inside the MLP's own hooked `forward` under ZeRO-3); None means every trainable parameter of
-    `module`. Their gradients leave the Function once per backward (see `tiles`); a trainable
-    parameter `fn` uses that is not listed gets its gradient in `.grad` directly, which is refused
-    under DeepSpeed ZeRO.
+    (`agree_on_shards(auto_mlp_shards(sl, h))`); tiles have `torch.tensor_split`'s sizes. Backward
+    recomputes on as many `[n_t, h]` tiles of the flattened tokens (`n = bs * sl`), as DeepSpeed's
+    does: `fn` must be token-wise and take both ranks (a 2-D matmul per tile is also cheaper than a
+    batched one). Tiles are contiguous, so `fn` may `.view` them. `compute_params` lists the
+    trainable parameters `fn` uses (DeepSpeed's call: `TiledMLP.apply(fn, self, x, shards,
+    [self.up_proj.weight, ...])`, also from inside the MLP's own hooked `forward` under ZeRO-3); None
+    means every trainable parameter of `module`. Their gradients leave the Function once per backward
+    (see `tiles`); a trainable parameter `fn` uses that is not listed gets its gradient in `.grad`
+    directly, which is refused under DeepSpeed ZeRO.
     """
 
     @classmethod
@@ -59,21 +62,20 @@ class TiledMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors  # [bs, sl, h]
-        x = x.detach()
-        needs_x = ctx.needs_input_grad[2]
-        x_grad = torch.zeros_like(x) if needs_x else None
+        shape = x.shape
+        x = x.detach().reshape(-1, shape[-1])  # [n, h]
+        grad_out = grad_out.reshape(-1, grad_out.shape[-1])  # [n, h_out]
+        x_grad = torch.zeros_like(x) if ctx.needs_input_grad[2] else None
+        bounds = tile_bounds(x.shape[0], len(ctx.bounds))
         grads = TileGrads("TiledMLP", ctx.params, [ctx.module])
         with zero3_whole(ctx.params):
-            for i, (start, stop) in enumerate(ctx.bounds):
-                _backprop_tile(ctx, grads, x, x_grad, grad_out, start, stop, more=i + 1 < len(ctx.bounds))
+            for i, (start, stop) in enumerate(bounds):
+                tile = x[start:stop].requires_grad_(x_grad is not None)  # [n_t, h]
+                with torch.enable_grad():
+                    y = ctx.fn(ctx.module, tile)  # [n_t, h_out]
+                into = None if x_grad is None else x_grad[start:stop]
+                grads.backprop(y, grad_out[start:stop], tile, into, more=i + 1 < len(bounds))
+                del tile, y, into  # not alive through the next tile's fn
         grads.write_undeclared()
+        x_grad = None if x_grad is None else x_grad.view(shape)
         return one_grad_per_input(TiledMLP.forward, x=x_grad, varargs=grads.declared_grads())
-
-
-def _backprop_tile(ctx, grads, x, x_grad, grad_out, start, stop, more):
-    """Recomputes one tile with autograd and backpropagates it (its tensors die on return)."""
-    tile = seq_tile(x, start, stop, -2).requires_grad_(x_grad is not None)  # [bs, sl_t, h]
-    with torch.enable_grad():
-        y = ctx.fn(ctx.module, tile)  # [bs, sl_t, h_out]
-    into = None if x_grad is None else x_grad[..., start:stop, :]
-    grads.backprop(y, grad_out[..., start:stop, :], tile, into, more=more)

@@ -83,9 +83,10 @@ def test_tile_mlps_handles_any_mlp_module_and_only_the_given_model():
     want = run(model)
     assert tile_mlps(model, shards=4) == 2
     tiles = []
-    model[0].mlp[0].register_forward_hook(lambda m, i, o: tiles.append(o.shape[-2]))
+    model[0].mlp[0].register_forward_hook(lambda m, i, o: tiles.append(tuple(o.shape[:-1])))
     assert_close(run(model), want, "grad")
-    assert tiles == [2, 1, 1, 1] * 2  # forward, then the recompute in backward
+    # forward tiles the sequence of each row; backward the 10 flattened tokens, lifted to the MLP's rank
+    assert tiles == [(2, 2), (2, 1), (2, 1), (2, 1), (1, 3), (1, 3), (1, 2), (1, 2)]
     assert all("forward" not in layer.mlp.__dict__ for layer in other)
     with pytest.raises(ValueError, match="shards must be a positive int, got -1"):
         tile_mlps(model, shards=-1)

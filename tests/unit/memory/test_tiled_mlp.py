@@ -66,6 +66,19 @@ def test_tile_sizes_follow_tensor_split(sl, shards):
     assert seen == tile_sizes(sl, shards)
 
 
+@pytest.mark.parametrize("bs,sl,shards", [(1, 8, 4), (2, 6, 3), (2, 5, 4)])
+def test_backward_recomputes_on_flattened_token_tiles_as_deepspeed_does(bs, sl, shards):
+    seen = {"ours": [], "deepspeed": []}
+    for name, lib in (("ours", TiledMLP), ("deepspeed", deepspeed_alst.TiledMLP)):
+        x = torch.randn(bs, sl, 3, requires_grad=True)
+        lib.apply(lambda _m, t, shapes=seen[name]: shapes.append(tuple(t.shape)) or t * 2, None, x, shards,
+                  []).sum().backward()
+        assert torch.equal(x.grad, torch.full_like(x, 2.0))
+    assert seen["ours"][shards:] == [(n, 3) for n in tile_sizes(bs * sl, shards)]
+    if sl % shards == 0:  # DeepSpeed's torch.chunk and our tensor_split agree on even splits
+        assert seen["ours"] == seen["deepspeed"]
+
+
 def test_2d_input_and_stacked_mlps():
     torch.manual_seed(0)
     first, second = GatedMLP(), GatedMLP()
