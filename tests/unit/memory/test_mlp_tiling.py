@@ -92,6 +92,37 @@ def test_tile_mlps_handles_any_mlp_module_and_only_the_given_model():
         tile_mlps(model, shards=-1)
 
 
+class RoutedMLP(nn.Module):
+    """A token-wise MoE-style block whose forward unpacks `bs, sl, h`, as Transformers' sparse MoE blocks do."""
+
+    def __init__(self, h=8, experts=3):
+        super().__init__()
+        self.router = nn.Linear(h, experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(h, 12), nn.SiLU(), nn.Linear(12, h))
+                                     for _ in range(experts))
+
+    def forward(self, x):
+        bs, sl, h = x.shape
+        flat = x.reshape(bs * sl, h)
+        weights = torch.softmax(self.router(flat), dim=-1)  # [n, experts]
+        mixed = sum(weights[:, e, None] * expert(flat) for e, expert in enumerate(self.experts))
+        return mixed.view(bs, sl, h)
+
+
+def test_tile_mlps_gives_a_forward_that_unpacks_bs_sl_h_its_rank_in_backward():
+    torch.manual_seed(0)
+    layer = nn.Module()
+    layer.mlp = RoutedMLP()
+    x = torch.randn(2, 7, 8, requires_grad=True)
+
+    def run():
+        return grads_of((layer.mlp(x) * torch.linspace(-1, 1, 8)).sum(), [x, *layer.parameters()])
+
+    want = run()
+    assert tile_mlps(layer, shards=3) == 1
+    assert_close(run(), want, "grad")
+
+
 @pytest.mark.parametrize("shards,head_calls", [(1, 1), ("auto", 1), (3, 3)])
 def test_tiled_causal_lm_loss_equals_untiled_without_recomputing_lm_head(shards, head_calls):
     from ds_ulysses import enable_sp_loss, tiled_causal_lm_loss
