@@ -48,12 +48,13 @@ def untile_mlps(model):
 
 
 def _tiled_mlp_forward(module, forward, x, *args, **kwargs):
-    lead = (1,) * (x.dim() - 2)
+    rank = x.dim()
 
     def per_tile(_module, tile):
-        if len(lead) + 2 == tile.dim():
+        if tile.dim() == rank:
             return forward(tile, *args, **kwargs)
         # backward's [n_t, h] tiles reach the model's forward with the rank it was written for
-        return forward(tile.view(*lead, *tile.shape), *args, **kwargs).reshape(tile.shape[0], -1)
+        lifted = tile.view((1,) * (rank - 2) + tuple(tile.shape))
+        return forward(lifted, *args, **kwargs).reshape(tile.shape[0], -1)
 
     return TiledMLP.apply(per_tile, module, x, module._ds_ulysses_shards, None)
