@@ -110,7 +110,7 @@ def _backprop_tile(ctx, grads, args, source, source_grad, grad_out, i):
     adds_nothing = ctx.per_tile and ctx.reduction is not None and stop == start
     tile_grad_out, weight = _tile_grad_out(ctx, grad_out, i, out)
     into = None if source_grad is None else source_grad[:, start:stop]
-    grads.backprop(out, tile_grad_out, tile, into, weight, keep=not adds_nothing, more=i + 1 < len(ctx.bounds))
+    grads.backprop(out, tile_grad_out, tile, into, weight, keep=not adds_nothing)
 
 
 def _tile_grad_out(ctx, grad_out, i, out):

@@ -90,7 +90,7 @@ def _tiled_loss(fn, module, x, y, mask, shards, output_reduction, grads=None, ne
     x_grad = torch.zeros_like(x_flat) if grads is not None and needs_x else None  # [n, h]
     total = None
     bounds = tile_bounds(n, positive_int(shards, "shards"))
-    for i, (start, stop) in enumerate(bounds):
+    for start, stop in bounds:
         tile = x_flat[start:stop].requires_grad_(x_grad is not None)  # [n_t, h]
         masks = () if mask is None else (mask_flat[start:stop],)
         with torch.set_grad_enabled(grads is not None):
@@ -102,7 +102,7 @@ def _tiled_loss(fn, module, x, y, mask, shards, output_reduction, grads=None, ne
         weight = (stop - start) / n if output_reduction == "mean" else 1.0
         if grads is not None:  # on an empty tile too, so that every rank makes the same ZeRO-3 calls
             into = None if x_grad is None else x_grad[start:stop]
-            grads.backprop(loss, torch.ones_like(loss), tile, into, weight, keep=stop > start, more=i + 1 < len(bounds))
+            grads.backprop(loss, torch.ones_like(loss), tile, into, weight, keep=stop > start)
         loss = loss.detach().reshape(())
         if total is None:  # summed in fp32 (or wider), returned in fn's dtype
             total = torch.zeros((), dtype=torch.promote_types(loss.dtype, torch.float32), device=loss.device)

@@ -69,12 +69,12 @@ class TiledMLP(torch.autograd.Function):
         bounds = tile_bounds(x.shape[0], len(ctx.bounds))
         grads = TileGrads("TiledMLP", ctx.params, [ctx.module])
         with zero3_whole(ctx.params):
-            for i, (start, stop) in enumerate(bounds):
+            for start, stop in bounds:
                 tile = x[start:stop].requires_grad_(x_grad is not None)  # [n_t, h]
                 with torch.enable_grad():
                     y = ctx.fn(ctx.module, tile)  # [n_t, h_out]
                 into = None if x_grad is None else x_grad[start:stop]
-                grads.backprop(y, grad_out[start:stop], tile, into, more=i + 1 < len(bounds))
+                grads.backprop(y, grad_out[start:stop], tile, into)
                 del tile, y, into  # not alive through the next tile's fn
         grads.write_undeclared()
         x_grad = None if x_grad is None else x_grad.view(shape)

@@ -33,6 +33,7 @@ import functools
 import inspect
 import math
 import operator
+import sys
 
 import torch
 from torch import nn
@@ -205,13 +206,13 @@ class TileGrads:
         self.sums = [_Sum() for _ in self.declared]
         self.undeclared = {}  # id -> (leaf, _Sum)
 
-    def backprop(self, out, grad_out, tile=None, into=None, weight=1.0, keep=True, more=False):
+    def backprop(self, out, grad_out, tile=None, into=None, weight=1.0, keep=True):
         """Backpropagates one tile's `out` given `grad_out`, its gradients times `weight`: the parameter
         gradients are added to the sums (when `keep`), and the gradient of the tile input `tile` (when
         it requires grad) is written into `into` (the tile's slice of the input's gradient). Each is
         taken by a hook the moment autograd has it (see :func:`_taking`). `weight` (a float) is applied
         to the gradients, not folded into `grad_out`, so it is not rounded to a bf16 `grad_out`'s
-        precision first (213/425 would become 0.5). `more`: other tiles follow (see :class:`_Sum`)."""
+        precision first (213/425 would become 0.5)."""
         if not out.requires_grad:
             return
         wants_tile = tile is not None and tile.requires_grad
@@ -222,7 +223,7 @@ class TileGrads:
         hooks = [tile.register_hook(_taking(functools.partial(_write, into, weight=weight)))] if wants_tile else []
         if keep:
             totals = self.sums + [self.undeclared.setdefault(id(leaf), (leaf, _Sum()))[1] for leaf in others]
-            hooks += [leaf.register_hook(_taking(functools.partial(total.add, weight=weight, more=more)))
+            hooks += [leaf.register_hook(_taking(functools.partial(total.add, weight=weight)))
                       for leaf, total in zip(self.declared + others, totals)]
         try:
             torch.autograd.grad(out, ([tile] if wants_tile else []) + self.declared + others, grad_out,
@@ -281,30 +282,28 @@ def _write(into, grad, weight=1.0):
 
 
 class _Sum:
-    """A running weighted sum of gradients that never writes into a tensor autograd handed out (a
-    gradient may alias the incoming gradient or another output): the first is kept as is (or scaled
-    into a new tensor), and later ones are added into one new tensor in place.
+    """A running weighted sum of gradients that never writes into a tensor someone else can see (a
+    gradient may alias the incoming gradient, another output or a tensor a user's hook kept).
 
-    When more gradients will follow (`more`), the first is copied into a tensor of its own at once and
-    is freed right after, so at most two parameter-sized buffers are alive at a time (the sum and the
-    newest gradient), as with autograd's own accumulation into ``.grad``; adding the second to the
-    first into a new tensor would hold three."""
+    The first gradient is kept as autograd handed it (or scaled into a new tensor). When a second one
+    comes (a later tile's: autograd has long let go of the first by then), the sum becomes a tensor
+    of its own, to add into in place: autograd's first gradient itself when nothing else holds it or
+    its memory (a matmul's weight gradient, the usual case: no copy, as autograd's own accumulation
+    into ``.grad`` steals it), else a copy of it. So at most two parameter-sized buffers are alive at
+    a time (the sum and the newest gradient), as with autograd's accumulation into ``.grad``."""
 
     def __init__(self):
         self.total, self.owned = None, False
 
-    def add(self, grad, weight=1.0, more=False):
+    def add(self, grad, weight=1.0):
         if grad is None:
             return
         if self.total is None:
-            if weight == 1 and not more:
-                self.total, self.owned = grad, False
-            else:
-                self.total, self.owned = (grad * weight if weight != 1 else grad.clone()), True
-        elif self.owned:
-            self.total.add_(grad, alpha=weight)
-        else:
-            self.total, self.owned = torch.add(self.total, grad, alpha=weight), True
+            self.total, self.owned = (grad * weight, True) if weight != 1 else (grad, False)
+            return
+        if not self.owned:
+            self.total, self.owned = (self.total if self._sole_holder() else self.total.clone()), True
+        self.total.add_(grad, alpha=weight)
 
     def take(self, scale=None):
         total, owned = self.total, self.owned
@@ -312,6 +311,37 @@ class _Sum:
         if total is None or scale is None:
             return total
         return total.mul_(scale) if owned else total * scale
+
+    def _sole_holder(self):
+        """Whether this sum is all that holds its tensor: no other Python reference (a user's hook may
+        keep the gradient), no other C++ one (autograd), no view of it or other tensor on its memory,
+        and, if it is a view (a matmul's weight gradient often is, of a base of its own shape), nothing
+        else holding its base. Writing into it then changes nothing anyone can read. Decided by
+        comparing the counts with those of a fresh tensor, and of a view of one, that a sum alone
+        holds, taken through this same code, so it follows the way this torch and Python count; False
+        where torch cannot count."""
+        return self._holders() in _sole_holder_counts()
+
+    def _holders(self):
+        total = self.total
+        counts = (sys.getrefcount(total), total._use_count(),
+                  torch._C._storage_Use_Count(total.untyped_storage()._cdata))
+        base = total._base
+        return counts if base is None else counts + (sys.getrefcount(base), base._use_count())
+
+
+@functools.lru_cache(maxsize=None)
+def _sole_holder_counts():
+    """:meth:`_Sum._holders` of a sum that alone holds a fresh tensor, and a view of one whose base
+    only the view holds (nothing where torch cannot count)."""
+    if not (hasattr(torch.Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")):
+        return ()
+    counts = []
+    for fresh in (lambda: torch.empty(1), lambda: torch.empty(1).view(1)):
+        probe = _Sum()
+        probe.total = fresh()
+        counts.append(probe._holders())
+    return tuple(counts)
 
 
 def _leaves(out):

@@ -74,12 +74,52 @@ def test_tile_gradient_is_weighted_and_unused_parameters_get_none():
     tile = torch.ones(3, requires_grad=True)
     x_grad = torch.zeros(2, 3)
     grads = TileGrads("test", [p, unused])
-    grads.backprop((p * tile * 2).sum(), torch.tensor(1.0), tile, x_grad[0], weight=0.25, more=True)
+    grads.backprop((p * tile * 2).sum(), torch.tensor(1.0), tile, x_grad[0], weight=0.25)
     assert torch.equal(x_grad, torch.tensor([[0.5, 0.5, 0.5], [0.0, 0.0, 0.0]]))
     grads.backprop(torch.ones(()), torch.tensor(1.0), tile, x_grad[1])  # nothing trainable in that tile
     assert torch.equal(x_grad[1], torch.zeros(3))
     got = grads.declared_grads()
     assert torch.equal(got[0], torch.full((3,), 0.5)) and got[1] is None
+
+
+def _three_tiles(layer, keep):
+    """The weight gradient of `layer` (x @ w or nn.Linear, w = ones) summed over three tiles of
+    `(layer(x_t)).sum()` with x_t = 1, 2, 3 (ones [4, 3]); `keep(grad)` is a hook on the weight."""
+    linear = nn.Linear(3, 2, bias=False)
+    nn.init.ones_(linear.weight)
+    p = linear.weight if layer == "linear" else nn.Parameter(torch.ones(3, 2))
+    grads = TileGrads("test", [p])
+    handle = p.register_hook(keep)
+    for value in (1.0, 2.0, 3.0):
+        x = torch.full((4, 3), value)
+        grads.backprop((linear(x) if layer == "linear" else x @ p).sum(), torch.tensor(1.0))
+    handle.remove()
+    return p, grads.declared_grads()[0]
+
+
+@pytest.mark.parametrize("layer", ["matmul", "linear"])
+def test_a_first_gradient_nothing_else_holds_becomes_the_sum_without_a_copy(layer):
+    """A weight gradient (nn.Linear's is a view of a base only it holds) is held by nothing but the sum
+    once its tile is done: later tiles add into it in place (no parameter-sized copy), as autograd's
+    accumulation into .grad does."""
+    addresses = []
+    p, total = _three_tiles(layer, lambda grad: addresses.append(grad.data_ptr()))
+    assert torch.equal(total, torch.full(p.shape, 24.0))
+    assert total.data_ptr() == addresses[0]
+
+
+@pytest.mark.parametrize("layer, keep", [
+    ("matmul", lambda grad: grad), ("matmul", lambda grad: grad.detach()), ("matmul", lambda grad: grad[0]),
+    ("linear", lambda grad: grad), ("linear", lambda grad: grad._base), ("linear", lambda grad: grad._base[0])],
+    ids=["the tensor", "an alias of its memory", "a view", "a view: the tensor", "a view: its base",
+         "a view: a view of its base"])
+def test_a_first_gradient_someone_else_holds_is_copied_before_later_tiles_add_to_it(layer, keep):
+    """A user's hook that keeps the gradient (or a tensor on its memory) must see it unchanged."""
+    kept = []
+    p, total = _three_tiles(layer, lambda grad: kept.append(keep(grad)))
+    assert torch.equal(total, torch.full(p.shape, 24.0))
+    assert torch.equal(kept[0], torch.full(kept[0].shape, 4.0))
+    assert total.data_ptr() != kept[0].data_ptr()
 
 
 class _SumsSeenInBackward(torch.autograd.Function):
@@ -105,7 +145,7 @@ def test_a_parameter_gradient_is_summed_as_soon_as_autograd_has_it():
     grads, seen = TileGrads("test", [first, second]), []
     for _ in range(2):
         out = (first * _SumsSeenInBackward.apply(second * tile, grads, seen)).sum()
-        grads.backprop(out, torch.tensor(1.0), tile, torch.empty(4), more=True)
+        grads.backprop(out, torch.tensor(1.0), tile, torch.empty(4))
     assert seen == [True, True]
     got = grads.declared_grads()
     assert torch.equal(got[0], torch.full((4,), 6.0)) and torch.equal(got[1], torch.full((4,), 4.0))
