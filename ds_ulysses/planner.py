@@ -33,8 +33,8 @@ from pathlib import Path
 from .constants import GIB
 from .memory.tiles import auto_loss_shards, auto_mlp_shards
 
-__all__ = ["parse_size", "ModelDims", "Setup", "KNOWN_MODELS", "load_dims", "layer_units", "breakdown", "fits", "recommend",
-           "max_seq_len", "cpu_rss", "ulysses_section", "add_arguments", "run_command"]
+__all__ = ["parse_size", "ModelDims", "Setup", "KNOWN_MODELS", "load_dims", "layer_units", "breakdown", "fits",
+           "recommend", "max_seq_len", "cpu_rss", "ulysses_section", "add_arguments", "run_command"]
 
 def parse_size(text: str) -> int:
     """``4096``, ``4K``/``4k`` (x1024) or ``1M`` (x1024^2) -> int."""

@@ -41,7 +41,8 @@ def disable_activation_checkpoint_offload(model):
     """Undo `enable_activation_checkpoint_offload`: restore each layer's checkpoint function, and turn
     gradient checkpointing back off if the enable call turned it on. Idempotent; returns how many
     layers were restored."""
-    count = sum(isinstance(m.__dict__.get("_gradient_checkpointing_func"), OffloadedCheckpoint) for m in model.modules())
+    count = sum(isinstance(m.__dict__.get("_gradient_checkpointing_func"), OffloadedCheckpoint)
+                for m in model.modules())
     PATCHES.undo(_TAG, owner=model)
     return count
 

@@ -141,7 +141,8 @@ def logits_transform(model, gathered=contextlib.nullcontext) -> LogitsTransform 
         try:
             base = head(hidden)  # [1 T V]
         except RuntimeError as err:
-            raise ValueError(_refusal(model_type, f"lm_head does not take the decoder's hidden states ({err})")) from err
+            raise ValueError(_refusal(model_type,
+                                      f"lm_head does not take the decoder's hidden states ({err})")) from err
         swap = _swap_decoder(model, hidden)
         if swap is None:
             raise ValueError(_refusal(model_type, "its decoder is not a submodule its forward calls"))

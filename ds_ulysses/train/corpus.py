@@ -128,8 +128,9 @@ class PackedSamples(torch.utils.data.Dataset):
 
     Only ``(offset + n) * seq_len`` tokens are ever read, so a run of a few dozen steps touches a few
     megabytes of the corpus. ``texts()`` yields the documents afresh on every call; a stream shorter
-    than needed starts over from its first document (small ``--data`` files), so sample ``i`` depends only on the corpus and ``seq_len``, never on ``n``:
-    resuming can take ``samples[k:]`` and see exactly what the uninterrupted run would have.
+    than needed starts over from its first document (small ``--data`` files), so sample ``i`` depends
+    only on the corpus and ``seq_len``, never on ``n``: resuming can take ``samples[k:]`` and see
+    exactly what the uninterrupted run would have.
     Each item is ``{"input_ids": [seq_len], "labels": [seq_len]}``; the SP adapter shifts the labels.
     """
 

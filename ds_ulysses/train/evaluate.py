@@ -224,6 +224,7 @@ def run_command(args) -> int:
     result = evaluate_positions(model, samples, None, args.buckets, pad_token_id=tokenizer.pad_id)
     out = Path(args.out) if args.out else Path(args.model) / "eval"
     csv_path = result.write_csv(out / "loss_by_position.csv")
-    result.plot(out / "loss_by_position.png", f"held-out loss by position ({args.samples} x {args.seq_len} tokens, no SP)")
+    result.plot(out / "loss_by_position.png",
+                f"held-out loss by position ({args.samples} x {args.seq_len} tokens, no SP)")
     print(f"eval: mean loss {result.overall:.4f} over {int(result.counts.sum())} held-out tokens -> {csv_path}")
     return 0
