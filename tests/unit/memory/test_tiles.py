@@ -122,6 +122,17 @@ def test_a_first_gradient_someone_else_holds_is_copied_before_later_tiles_add_to
     assert total.data_ptr() != kept[0].data_ptr()
 
 
+def test_one_gradient_autograd_hands_to_two_parameters_is_summed_for_each():
+    """`p + q` hands both the same gradient tensor: one sum may keep it, the other must copy it first."""
+    p, q = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    grads = TileGrads("test", [p, q])
+    for value in (1.0, 2.0, 3.0):
+        grads.backprop((torch.full((3,), value) * (p + q)).sum(), torch.tensor(1.0))
+    got = grads.declared_grads()
+    assert torch.equal(got[0], torch.full((3,), 6.0)) and torch.equal(got[1], torch.full((3,), 6.0))
+    assert got[0].data_ptr() != got[1].data_ptr()
+
+
 class _SumsSeenInBackward(torch.autograd.Function):
     """Identity whose backward records whether the first parameter's sum already holds a gradient."""
 
