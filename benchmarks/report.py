@@ -344,7 +344,8 @@ def save_seq_plot(fig, ax, ylabel: str, path: Path) -> Path:
     ax.set_xlabel("global sequence length S (tokens)")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # no lines when every run is shorter than 1K tokens
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
