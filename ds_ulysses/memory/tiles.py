@@ -270,6 +270,8 @@ def _taking(take):
 
     def hook(grad):
         take(grad)
+        if grad.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)) cannot be expanded
+            return torch.zeros_like(grad)
         return grad.new_zeros(()).expand_as(grad)
 
     return hook
@@ -319,7 +321,10 @@ class _Sum:
         else holding its base. Writing into it then changes nothing anyone can read. Decided by
         comparing the counts with those of a fresh tensor, and of a view of one, that a sum alone
         holds, taken through this same code, so it follows the way this torch and Python count; False
-        where torch cannot count."""
+        where torch cannot count, and for a sparse gradient or a tensor subclass (whose memory lies in
+        tensors these counts do not see)."""
+        if type(self.total) is not torch.Tensor or self.total.layout != torch.strided:
+            return False
         return self._holders() in _sole_holder_counts()
 
     def _holders(self):

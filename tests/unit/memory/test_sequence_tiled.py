@@ -167,6 +167,26 @@ def test_parameters_passed_as_kwargs_get_grads():
     assert_close(grads_of(got_out, inputs), want, "grad")
 
 
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "undeclared"])
+def test_a_sparse_embedding_gradient_is_summed_over_tiles(declared):
+    """nn.Embedding(sparse=True) hands its weight a sparse gradient per tile; the sum equals the untiled one."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(V, 16, sparse=True)
+    x = torch.randn(2, 7, 16, requires_grad=True)
+    ids = torch.randint(0, V, (2, 7))
+
+    def tile_dot(hidden, tokens):
+        return (hidden * emb(tokens)).sum(-1)  # [bs, sl_t]
+
+    inputs = [x, emb.weight]
+    want = grads_of(tile_dot(x, ids).sum(), inputs)
+    got_out = sequence_tiled_compute(tile_dot, 7, 3, {"hidden": x, "tokens": ids}, {}, "hidden",
+                                     [emb.weight] if declared else [], output_reduction="sum")
+    got = grads_of(got_out, inputs)
+    assert got[1].is_sparse
+    assert_close([got[0], got[1].to_dense()], [want[0], want[1].to_dense()], "grad")
+
+
 def test_undeclared_parameter_with_hooks_is_refused():
     torch.manual_seed(0)
     head = nn.Linear(16, V)

@@ -122,6 +122,21 @@ def test_a_first_gradient_someone_else_holds_is_copied_before_later_tiles_add_to
     assert total.data_ptr() != kept[0].data_ptr()
 
 
+def test_a_first_gradient_of_a_tensor_subclass_is_copied():
+    """A subclass keeps its memory in inner tensors the holder counts do not see (here one a hook kept)."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    p = nn.Parameter(torch.ones(3, 2))
+    kept = []
+    handle = p.register_hook(lambda grad: kept.append(grad.a))
+    grads = TileGrads("test", [p])
+    for value in (1.0, 2.0, 3.0):
+        grads.backprop(torch.full((4, 3), value) @ p, two_tensor.TwoTensor(torch.ones(4, 2), torch.ones(4, 2)))
+    handle.remove()
+    total = grads.declared_grads()[0]
+    assert torch.equal(total.a, torch.full((3, 2), 24.0)) and torch.equal(total.b, torch.full((3, 2), 24.0))
+    assert torch.equal(kept[0], torch.full((3, 2), 4.0))
+
+
 def test_one_gradient_autograd_hands_to_two_parameters_is_summed_for_each():
     """`p + q` hands both the same gradient tensor: one sum may keep it, the other must copy it first."""
     p, q = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
