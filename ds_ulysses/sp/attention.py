@@ -94,8 +94,7 @@ class UlyssesAttention(torch.nn.Module):
         self.batch_size = batch_size
         self.attn_head_count, self.attn_head_size = attn_head_count, attn_head_size
         self.kv_head_count = kv_head_count
-        self.num_hidden_layers = num_hidden_layers
-        self.seq_length_is_variable = seq_length_is_variable
+        self.num_hidden_layers, self.seq_length_is_variable = num_hidden_layers, seq_length_is_variable
         self.local_seq_length, self.global_seq_length = local_seq_length, global_seq_length
         self.disable_in_eval = disable_in_eval
         plan_heads(attn_head_count, kv_head_count, self.world_size)  # the config's layout must be servable
