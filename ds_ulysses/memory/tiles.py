@@ -350,17 +350,22 @@ def _sole_holder_counts():
 
 
 def _leaves(out):
-    """The tensors requiring grad that `out`'s autograd graph accumulates into (its AccumulateGrad nodes)."""
-    seen, stack, leaves = set(), [out.grad_fn], []
+    """The tensors requiring grad that `out`'s autograd graph accumulates into (its AccumulateGrad nodes);
+    `out` itself when it is one (fn returned a leaf)."""
+    root = out.grad_fn
+    if root is None:
+        return [out]
+    seen, stack, leaves = {root}, [root], []
     while stack:
         node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
         leaf = getattr(node, "variable", None)
         if leaf is not None:
             leaves.append(leaf)
-        stack.extend(child for child, _ in node.next_functions)
+            continue
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append(child)
     return leaves
 
 

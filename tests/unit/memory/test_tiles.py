@@ -82,6 +82,17 @@ def test_tile_gradient_is_weighted_and_unused_parameters_get_none():
     assert torch.equal(got[0], torch.full((3,), 0.5)) and got[1] is None
 
 
+def test_a_tile_output_that_is_itself_an_undeclared_leaf_gets_its_gradient():
+    """fn may return a trainable leaf as it is (no graph behind it): its gradient is still summed."""
+    declared, returned = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    grads = TileGrads("test", [declared])
+    for weight in (1.0, 0.5):
+        grads.backprop(returned, torch.full((3,), 2.0), weight=weight)
+    grads.write_undeclared()
+    assert torch.equal(returned.grad, torch.full((3,), 3.0))
+    assert grads.declared_grads() == [None]
+
+
 def _three_tiles(layer, keep):
     """The weight gradient of `layer` (x @ w or nn.Linear, w = ones) summed over three tiles of
     `(layer(x_t)).sum()` with x_t = 1, 2, 3 (ones [4, 3]); `keep(grad)` is a hook on the weight."""
