@@ -92,7 +92,7 @@ class SequenceTiledCompute(torch.autograd.Function):
         source_grad = torch.zeros_like(source) if needs_grad else None
         owners = [ctx.fn, *args[ctx.n_shard:]]
         grads = TileGrads("sequence_tiled_compute", ctx.params, owners)
-        with zero3_whole(ctx.params):
+        with zero3_whole(ctx.params), grads.hooked():
             for i in range(len(ctx.bounds)):
                 _backprop_tile(ctx, grads, args, source, source_grad, grad_out, i)
         grads.write_undeclared()

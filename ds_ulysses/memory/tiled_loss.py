@@ -55,7 +55,9 @@ class TiledFusedLogitsLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, module, x, y, mask, shards, compute_params, output_reduction, *params):
         grads = TileGrads("TiledFusedLogitsLoss", params, [module])
-        total, x_grad = _tiled_loss(fn, module, x, y, mask, shards, output_reduction, grads, ctx.needs_input_grad[2])
+        with grads.hooked():
+            total, x_grad = _tiled_loss(fn, module, x, y, mask, shards, output_reduction, grads,
+                                        ctx.needs_input_grad[2])
         ctx.grads, ctx.x_grad, ctx.x_shape = grads, x_grad, x.shape
         return total
 

@@ -68,7 +68,7 @@ class TiledMLP(torch.autograd.Function):
         x_grad = torch.zeros_like(x) if ctx.needs_input_grad[2] else None
         bounds = tile_bounds(x.shape[0], len(ctx.bounds))
         grads = TileGrads("TiledMLP", ctx.params, [ctx.module])
-        with zero3_whole(ctx.params):
+        with zero3_whole(ctx.params), grads.hooked():
             for start, stop in bounds:
                 tile = x[start:stop].requires_grad_(x_grad is not None)  # [n_t, h]
                 with torch.enable_grad():

@@ -199,20 +199,38 @@ class TileGrads:
     summed too and written into their ``.grad`` by :meth:`write_undeclared`; one with gradient hooks
     (DeepSpeed ZeRO registers one on every trainable parameter) is refused, since writing ``.grad``
     would bypass the hook. `owners` are the modules whose parameter names the error uses.
+
+    The tiles run inside ``with grads.hooked():``, which puts the hook that takes each leaf's gradient
+    (see :meth:`_taking`) on it once for all the tiles, not once per tile.
     """
 
     def __init__(self, who, declared, owners=()):
         self.who, self.declared, self.owners = who, list(declared), owners
         self.sums = [_Sum() for _ in self.declared]
         self.undeclared = {}  # id -> (leaf, _Sum)
+        self._handles, self._weight, self._keep = None, None, True
+
+    @contextlib.contextmanager
+    def hooked(self):
+        """The block the tiles' :meth:`backprop` calls run in: the declared parameters' hooks are
+        registered on entry, an undeclared leaf's when a tile first reaches it, all removed on exit."""
+        self._handles = [p.register_hook(self._taking(total)) for p, total in zip(self.declared, self.sums)]
+        try:
+            yield self
+        finally:
+            handles, self._handles = self._handles, None
+            for handle in handles:
+                handle.remove()
 
     def backprop(self, out, grad_out, tile=None, into=None, weight=1.0, keep=True):
         """Backpropagates one tile's `out` given `grad_out`, its gradients times `weight`: the parameter
         gradients are added to the sums (when `keep`), and the gradient of the tile input `tile` (when
-        it requires grad) is written into `into` (the tile's slice of the input's gradient). Each is
-        taken by a hook the moment autograd has it (see :func:`_taking`). `weight` (a float) is applied
-        to the gradients, not folded into `grad_out`, so it is not rounded to a bf16 `grad_out`'s
-        precision first (213/425 would become 0.5)."""
+        it requires grad) is written into `into` (the tile's slice of the input's gradient). `weight` (a
+        float) is applied to the gradients, not folded into `grad_out`, so it is not rounded to a bf16
+        `grad_out`'s precision first (213/425 would become 0.5)."""
+        if self._handles is None:
+            raise RuntimeError(f"{self.who}: TileGrads.backprop runs inside `with grads.hooked():`, or the "
+                               "parameter gradients would be dropped")
         if not out.requires_grad:
             return
         wants_tile = tile is not None and tile.requires_grad
@@ -220,22 +238,23 @@ class TileGrads:
         others = [leaf for leaf in _leaves(out) if id(leaf) not in known]
         for leaf in others:
             self._check_undeclared(leaf)
-        hooks = [tile.register_hook(_taking(functools.partial(_write, into, weight=weight)))] if wants_tile else []
-        if keep:
-            totals = self.sums + [self.undeclared.setdefault(id(leaf), (leaf, _Sum()))[1] for leaf in others]
-            hooks += [leaf.register_hook(_taking(functools.partial(total.add, weight=weight)))
-                      for leaf, total in zip(self.declared + others, totals)]
+            if id(leaf) not in self.undeclared:
+                self.undeclared[id(leaf)] = leaf, _Sum()
+                self._handles.append(leaf.register_hook(self._taking(self.undeclared[id(leaf)][1])))
+        self._weight, self._keep = weight, keep
         try:
-            torch.autograd.grad(out, ([tile] if wants_tile else []) + self.declared + others, grad_out,
-                                allow_unused=True)
+            got = torch.autograd.grad(out, ([tile] if wants_tile else []) + self.declared + others, grad_out,
+                                      allow_unused=True)
         finally:
-            for hook in hooks:
-                hook.remove()
+            self._weight = None
+        if wants_tile and got[0] is not None:
+            _write(into, got[0], weight)
 
     def declared_grads(self, scale=None):
         """What backward returns for the declared parameters: their summed gradients (None where a
-        parameter got none), times `scale`. Once only: the sums are handed over. ZeRO-3 parameters
-        are set up to be whole when autograd accumulates these (:func:`zero3_whole_at_accumulation`)."""
+        parameter got none), times `scale`. Once only, after the tiles' block: the sums are handed over.
+        ZeRO-3 parameters are set up to be whole when autograd accumulates these
+        (:func:`zero3_whole_at_accumulation`)."""
         sums, self.sums = self.sums, [_Sum() for _ in self.declared]
         grads = [total.take(scale) for total in sums]
         zero3_whole_at_accumulation([p for p, grad in zip(self.declared, grads) if grad is not None])
@@ -249,6 +268,25 @@ class TileGrads:
                 leaf.grad = grad if leaf.grad is None else leaf.grad + grad
         self.undeclared = {}
 
+    def _taking(self, total):
+        """A leaf's gradient hook for the tiles: the gradient is added, times the tile's weight, to the
+        leaf's sum `total` the moment autograd has it, and autograd gets a zero in its place (one
+        element seen through stride 0). Gradients that ``autograd.grad`` returned would all live until
+        the tile's whole backward is done, where autograd's own accumulation into ``.grad`` frees each
+        at once. A tile that adds nothing (`keep` false) leaves the sums alone; a backward that is not
+        a tile's (none runs inside the block, but fn could start one) gets the gradient untouched."""
+
+        def hook(grad):
+            if self._weight is None:
+                return None
+            if self._keep:
+                total.add(grad, weight=self._weight)
+            if grad.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)) cannot be expanded
+                return torch.zeros_like(grad)
+            return grad.new_zeros(()).expand_as(grad)
+
+        return hook
+
     def _check_undeclared(self, leaf):
         if hasattr(leaf, "ds_id") or getattr(leaf, "_post_accumulate_grad_hooks", None):
             names = {id(p): n for o in self.owners if isinstance(o, nn.Module) for n, p in o.named_parameters()}
@@ -260,21 +298,6 @@ class TileGrads:
                 "gradient must reach the hook once, after all its uses, which only a declared parameter's does: "
                 "add it to compute_params, or pass compute_params=None to declare every trainable parameter "
                 "of the module")
-
-
-def _taking(take):
-    """A leaf's gradient hook for one tile's backward: `take(grad)` keeps the gradient the moment autograd
-    has it, and autograd gets a zero in its place (one element seen through stride 0). Gradients that
-    ``autograd.grad`` returned would all live until the tile's whole backward is done, where autograd's
-    own accumulation into ``.grad`` frees each at once."""
-
-    def hook(grad):
-        take(grad)
-        if grad.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)) cannot be expanded
-            return torch.zeros_like(grad)
-        return grad.new_zeros(()).expand_as(grad)
-
-    return hook
 
 
 def _write(into, grad, weight=1.0):

@@ -61,8 +61,9 @@ def test_gradient_sums_never_write_into_tensors_autograd_handed_out():
     p = nn.Parameter(torch.zeros(3))
     grads = TileGrads("test", [p])
     incoming = torch.ones(3)
-    for weight in (1.0, 1.0, 0.5):
-        grads.backprop(p + 0, incoming, weight=weight)
+    with grads.hooked():
+        for weight in (1.0, 1.0, 0.5):
+            grads.backprop(p + 0, incoming, weight=weight)
     assert torch.equal(incoming, torch.ones(3))
     (total,) = grads.declared_grads(scale=torch.tensor(2.0))
     assert torch.equal(total, torch.full((3,), 5.0))
@@ -74,20 +75,38 @@ def test_tile_gradient_is_weighted_and_unused_parameters_get_none():
     tile = torch.ones(3, requires_grad=True)
     x_grad = torch.zeros(2, 3)
     grads = TileGrads("test", [p, unused])
-    grads.backprop((p * tile * 2).sum(), torch.tensor(1.0), tile, x_grad[0], weight=0.25)
-    assert torch.equal(x_grad, torch.tensor([[0.5, 0.5, 0.5], [0.0, 0.0, 0.0]]))
-    grads.backprop(torch.ones(()), torch.tensor(1.0), tile, x_grad[1])  # nothing trainable in that tile
+    with grads.hooked():
+        grads.backprop((p * tile * 2).sum(), torch.tensor(1.0), tile, x_grad[0], weight=0.25)
+        assert torch.equal(x_grad, torch.tensor([[0.5, 0.5, 0.5], [0.0, 0.0, 0.0]]))
+        grads.backprop(torch.ones(()), torch.tensor(1.0), tile, x_grad[1])  # nothing trainable in that tile
     assert torch.equal(x_grad[1], torch.zeros(3))
     got = grads.declared_grads()
     assert torch.equal(got[0], torch.full((3,), 0.5)) and got[1] is None
+
+
+def test_the_hooks_live_only_in_the_block_and_pass_other_backwards_through():
+    """The gradient hooks are gone after the tiles' block, also when a tile fails; inside it, a backward
+    that is not a tile's gets the parameter's gradient untouched; a tile outside the block is refused."""
+    p = nn.Parameter(torch.ones(3))
+    grads = TileGrads("test", [p])
+    with pytest.raises(ValueError, match="a tile failed"):
+        with grads.hooked():
+            assert p._backward_hooks
+            (p * 2).sum().backward()
+            assert torch.equal(p.grad, torch.full((3,), 2.0))
+            raise ValueError("a tile failed")
+    assert not p._backward_hooks
+    with pytest.raises(RuntimeError, match="hooked"):
+        grads.backprop((p * 2).sum(), torch.tensor(1.0))
 
 
 def test_a_tile_output_that_is_itself_an_undeclared_leaf_gets_its_gradient():
     """fn may return a trainable leaf as it is (no graph behind it): its gradient is still summed."""
     declared, returned = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
     grads = TileGrads("test", [declared])
-    for weight in (1.0, 0.5):
-        grads.backprop(returned, torch.full((3,), 2.0), weight=weight)
+    with grads.hooked():
+        for weight in (1.0, 0.5):
+            grads.backprop(returned, torch.full((3,), 2.0), weight=weight)
     grads.write_undeclared()
     assert torch.equal(returned.grad, torch.full((3,), 3.0))
     assert grads.declared_grads() == [None]
@@ -101,9 +120,10 @@ def _three_tiles(layer, keep):
     p = linear.weight if layer == "linear" else nn.Parameter(torch.ones(3, 2))
     grads = TileGrads("test", [p])
     handle = p.register_hook(keep)
-    for value in (1.0, 2.0, 3.0):
-        x = torch.full((4, 3), value)
-        grads.backprop((linear(x) if layer == "linear" else x @ p).sum(), torch.tensor(1.0))
+    with grads.hooked():
+        for value in (1.0, 2.0, 3.0):
+            x = torch.full((4, 3), value)
+            grads.backprop((linear(x) if layer == "linear" else x @ p).sum(), torch.tensor(1.0))
     handle.remove()
     return p, grads.declared_grads()[0]
 
@@ -140,8 +160,9 @@ def test_a_first_gradient_of_a_tensor_subclass_is_copied():
     kept = []
     handle = p.register_hook(lambda grad: kept.append(grad.a))
     grads = TileGrads("test", [p])
-    for value in (1.0, 2.0, 3.0):
-        grads.backprop(torch.full((4, 3), value) @ p, two_tensor.TwoTensor(torch.ones(4, 2), torch.ones(4, 2)))
+    with grads.hooked():
+        for value in (1.0, 2.0, 3.0):
+            grads.backprop(torch.full((4, 3), value) @ p, two_tensor.TwoTensor(torch.ones(4, 2), torch.ones(4, 2)))
     handle.remove()
     total = grads.declared_grads()[0]
     assert torch.equal(total.a, torch.full((3, 2), 24.0)) and torch.equal(total.b, torch.full((3, 2), 24.0))
@@ -152,8 +173,9 @@ def test_one_gradient_autograd_hands_to_two_parameters_is_summed_for_each():
     """`p + q` hands both the same gradient tensor: one sum may keep it, the other must copy it first."""
     p, q = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
     grads = TileGrads("test", [p, q])
-    for value in (1.0, 2.0, 3.0):
-        grads.backprop((torch.full((3,), value) * (p + q)).sum(), torch.tensor(1.0))
+    with grads.hooked():
+        for value in (1.0, 2.0, 3.0):
+            grads.backprop((torch.full((3,), value) * (p + q)).sum(), torch.tensor(1.0))
     got = grads.declared_grads()
     assert torch.equal(got[0], torch.full((3,), 6.0)) and torch.equal(got[1], torch.full((3,), 6.0))
     assert got[0].data_ptr() != got[1].data_ptr()
@@ -180,9 +202,10 @@ def test_a_parameter_gradient_is_summed_as_soon_as_autograd_has_it():
     first, second = nn.Parameter(torch.full((4,), 2.0)), nn.Parameter(torch.full((4,), 3.0))
     tile = torch.ones(4, requires_grad=True)
     grads, seen = TileGrads("test", [first, second]), []
-    for _ in range(2):
-        out = (first * _SumsSeenInBackward.apply(second * tile, grads, seen)).sum()
-        grads.backprop(out, torch.tensor(1.0), tile, torch.empty(4))
+    with grads.hooked():
+        for _ in range(2):
+            out = (first * _SumsSeenInBackward.apply(second * tile, grads, seen)).sum()
+            grads.backprop(out, torch.tensor(1.0), tile, torch.empty(4))
     assert seen == [True, True]
     got = grads.declared_grads()
     assert torch.equal(got[0], torch.full((4,), 6.0)) and torch.equal(got[1], torch.full((4,), 4.0))
