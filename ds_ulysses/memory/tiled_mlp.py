@@ -55,7 +55,7 @@ class TiledMLP(torch.autograd.Function):
                                      "hidden states only")
                 if out is None:
                     out = y.new_empty(*y.shape[:-2], x.shape[-2], y.shape[-1])  # [bs, sl, h_out]
-                out[..., start:stop, :] = y
+                out.narrow(-2, start, stop - start).copy_(y)  # a slice assignment takes a slower copy
                 del y  # not alive through the next tile's fn
         return out
 
