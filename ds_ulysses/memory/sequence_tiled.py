@@ -10,9 +10,8 @@ Dimensions: bs batch, sl sequence, sl_t one tile of it.
 
 import torch
 
-from .tiles import TileGrads, input_names, one_grad_per_input, positive_int, seq_tile, tile_bounds, \
-    trainable_params, zero3_whole
-
+from .tile_grads import TileGrads
+from .tiles import input_names, one_grad_per_input, positive_int, seq_tile, tile_bounds, trainable_params, zero3_whole
 __all__ = ["SequenceTiledCompute", "sequence_tiled_compute"]
 
 _REDUCTIONS = (None, "mean", "sum")

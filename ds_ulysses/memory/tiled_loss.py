@@ -13,9 +13,9 @@ Dimensions: bs batch, sl sequence, h hidden, n = bs*sl flattened tokens, n_t one
 
 import torch
 
-from .tiles import TileGrads, one_grad_per_input, positive_int, resolve_loss_shards, tile_bounds, \
-    trainable_params, weight_rows, zero3_whole
-
+from .tile_grads import TileGrads
+from .tiles import one_grad_per_input, positive_int, resolve_loss_shards, tile_bounds, trainable_params, weight_rows, \
+    zero3_whole
 __all__ = ["TiledFusedLogitsLoss"]
 
 

@@ -7,9 +7,9 @@ n = bs*sl flattened tokens, n_t one tile of them.
 
 import torch
 
-from .tiles import TileGrads, agree_on_shards, auto_mlp_shards, one_grad_per_input, positive_int, seq_tile, \
-    tile_bounds, trainable_params, zero3_whole
-
+from .tile_grads import TileGrads
+from .tiles import agree_on_shards, auto_mlp_shards, one_grad_per_input, positive_int, seq_tile, tile_bounds, \
+    trainable_params, zero3_whole
 __all__ = ["TiledMLP"]
 
 

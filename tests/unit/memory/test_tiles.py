@@ -1,4 +1,4 @@
-"""The helpers the tiled Functions share: tile counts and bounds, declared parameters, gradient sums.
+"""The helpers the tiled Functions share: tile counts and bounds, declared parameters, tile slices.
 (Their ZeRO-3 side runs in tests/integration/test_tiled_zero.py.)"""
 
 import math
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ds_ulysses.memory import agree_on_shards, auto_loss_shards, auto_mlp_shards
-from ds_ulysses.memory.tiles import TileGrads, seq_tile, tile_bounds, trainable_params, zero3_whole
+from ds_ulysses.memory.tiles import seq_tile, tile_bounds, trainable_params, zero3_whole
 
 from .helpers import SPLITS, tile_sizes
 
@@ -54,161 +54,6 @@ def test_zero3_whole_leaves_other_tensors_alone():
     p = nn.Parameter(torch.ones(2))
     with zero3_whole([p]):
         assert torch.equal(p, torch.ones(2))
-
-
-def test_gradient_sums_never_write_into_tensors_autograd_handed_out():
-    """`p + 0` hands back the incoming gradient itself: summing tiles in place would change it."""
-    p = nn.Parameter(torch.zeros(3))
-    grads = TileGrads("test", [p])
-    incoming = torch.ones(3)
-    with grads.hooked():
-        for weight in (1.0, 1.0, 0.5):
-            grads.backprop(p + 0, incoming, weight=weight)
-    assert torch.equal(incoming, torch.ones(3))
-    (total,) = grads.declared_grads(scale=torch.tensor(2.0))
-    assert torch.equal(total, torch.full((3,), 5.0))
-    assert grads.declared_grads() == [None]  # handed over once
-
-
-def test_tile_gradient_is_weighted_and_unused_parameters_get_none():
-    p, unused = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(1))
-    tile = torch.ones(3, requires_grad=True)
-    x_grad = torch.zeros(2, 3)
-    grads = TileGrads("test", [p, unused])
-    with grads.hooked():
-        grads.backprop((p * tile * 2).sum(), torch.tensor(1.0), tile, x_grad[0], weight=0.25)
-        assert torch.equal(x_grad, torch.tensor([[0.5, 0.5, 0.5], [0.0, 0.0, 0.0]]))
-        grads.backprop(torch.ones(()), torch.tensor(1.0), tile, x_grad[1])  # nothing trainable in that tile
-    assert torch.equal(x_grad[1], torch.zeros(3))
-    got = grads.declared_grads()
-    assert torch.equal(got[0], torch.full((3,), 0.5)) and got[1] is None
-
-
-def test_the_hooks_live_only_in_the_block_and_pass_other_backwards_through():
-    """The gradient hooks are gone after the tiles' block, also when a tile fails; inside it, a backward
-    that is not a tile's gets the parameter's gradient untouched; a tile outside the block is refused."""
-    p = nn.Parameter(torch.ones(3))
-    grads = TileGrads("test", [p])
-    with pytest.raises(ValueError, match="a tile failed"):
-        with grads.hooked():
-            assert p._backward_hooks
-            (p * 2).sum().backward()
-            assert torch.equal(p.grad, torch.full((3,), 2.0))
-            raise ValueError("a tile failed")
-    assert not p._backward_hooks
-    with pytest.raises(RuntimeError, match="hooked"):
-        grads.backprop((p * 2).sum(), torch.tensor(1.0))
-
-
-def test_a_tile_output_that_is_itself_an_undeclared_leaf_gets_its_gradient():
-    """fn may return a trainable leaf as it is (no graph behind it): its gradient is still summed."""
-    declared, returned = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
-    grads = TileGrads("test", [declared])
-    with grads.hooked():
-        for weight in (1.0, 0.5):
-            grads.backprop(returned, torch.full((3,), 2.0), weight=weight)
-    grads.write_undeclared()
-    assert torch.equal(returned.grad, torch.full((3,), 3.0))
-    assert grads.declared_grads() == [None]
-
-
-def _three_tiles(layer, keep):
-    """The weight gradient of `layer` (x @ w or nn.Linear, w = ones) summed over three tiles of
-    `(layer(x_t)).sum()` with x_t = 1, 2, 3 (ones [4, 3]); `keep(grad)` is a hook on the weight."""
-    linear = nn.Linear(3, 2, bias=False)
-    nn.init.ones_(linear.weight)
-    p = linear.weight if layer == "linear" else nn.Parameter(torch.ones(3, 2))
-    grads = TileGrads("test", [p])
-    handle = p.register_hook(keep)
-    with grads.hooked():
-        for value in (1.0, 2.0, 3.0):
-            x = torch.full((4, 3), value)
-            grads.backprop((linear(x) if layer == "linear" else x @ p).sum(), torch.tensor(1.0))
-    handle.remove()
-    return p, grads.declared_grads()[0]
-
-
-@pytest.mark.parametrize("layer", ["matmul", "linear"])
-def test_a_first_gradient_nothing_else_holds_becomes_the_sum_without_a_copy(layer):
-    """A weight gradient (nn.Linear's is a view of a base only it holds) is held by nothing but the sum
-    once its tile is done: later tiles add into it in place (no parameter-sized copy), as autograd's
-    accumulation into .grad does."""
-    addresses = []
-    p, total = _three_tiles(layer, lambda grad: addresses.append(grad.data_ptr()))
-    assert torch.equal(total, torch.full(p.shape, 24.0))
-    assert total.data_ptr() == addresses[0]
-
-
-@pytest.mark.parametrize("layer, keep", [
-    ("matmul", lambda grad: grad), ("matmul", lambda grad: grad.detach()), ("matmul", lambda grad: grad[0]),
-    ("linear", lambda grad: grad), ("linear", lambda grad: grad._base), ("linear", lambda grad: grad._base[0])],
-    ids=["the tensor", "an alias of its memory", "a view", "a view: the tensor", "a view: its base",
-         "a view: a view of its base"])
-def test_a_first_gradient_someone_else_holds_is_copied_before_later_tiles_add_to_it(layer, keep):
-    """A user's hook that keeps the gradient (or a tensor on its memory) must see it unchanged."""
-    kept = []
-    p, total = _three_tiles(layer, lambda grad: kept.append(keep(grad)))
-    assert torch.equal(total, torch.full(p.shape, 24.0))
-    assert torch.equal(kept[0], torch.full(kept[0].shape, 4.0))
-    assert total.data_ptr() != kept[0].data_ptr()
-
-
-def test_a_first_gradient_of_a_tensor_subclass_is_copied():
-    """A subclass keeps its memory in inner tensors the holder counts do not see (here one a hook kept)."""
-    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
-    p = nn.Parameter(torch.ones(3, 2))
-    kept = []
-    handle = p.register_hook(lambda grad: kept.append(grad.a))
-    grads = TileGrads("test", [p])
-    with grads.hooked():
-        for value in (1.0, 2.0, 3.0):
-            grads.backprop(torch.full((4, 3), value) @ p, two_tensor.TwoTensor(torch.ones(4, 2), torch.ones(4, 2)))
-    handle.remove()
-    total = grads.declared_grads()[0]
-    assert torch.equal(total.a, torch.full((3, 2), 24.0)) and torch.equal(total.b, torch.full((3, 2), 24.0))
-    assert torch.equal(kept[0], torch.full((3, 2), 4.0))
-
-
-def test_one_gradient_autograd_hands_to_two_parameters_is_summed_for_each():
-    """`p + q` hands both the same gradient tensor: one sum may keep it, the other must copy it first."""
-    p, q = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
-    grads = TileGrads("test", [p, q])
-    with grads.hooked():
-        for value in (1.0, 2.0, 3.0):
-            grads.backprop((torch.full((3,), value) * (p + q)).sum(), torch.tensor(1.0))
-    got = grads.declared_grads()
-    assert torch.equal(got[0], torch.full((3,), 6.0)) and torch.equal(got[1], torch.full((3,), 6.0))
-    assert got[0].data_ptr() != got[1].data_ptr()
-
-
-class _SumsSeenInBackward(torch.autograd.Function):
-    """Identity whose backward records whether the first parameter's sum already holds a gradient."""
-
-    @staticmethod
-    def forward(ctx, x, grads, seen):
-        ctx.grads, ctx.seen = grads, seen
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.seen.append(ctx.grads.sums[0].total is not None)
-        return grad, None, None
-
-
-def test_a_parameter_gradient_is_summed_as_soon_as_autograd_has_it():
-    """The tile's backward reaches `first` before the rest of the graph: its gradient must be in the sum
-    by then, not held by autograd.grad until the tile's whole backward ends (one more parameter-sized
-    buffer per parameter at the tile's peak)."""
-    first, second = nn.Parameter(torch.full((4,), 2.0)), nn.Parameter(torch.full((4,), 3.0))
-    tile = torch.ones(4, requires_grad=True)
-    grads, seen = TileGrads("test", [first, second]), []
-    with grads.hooked():
-        for _ in range(2):
-            out = (first * _SumsSeenInBackward.apply(second * tile, grads, seen)).sum()
-            grads.backprop(out, torch.tensor(1.0), tile, torch.empty(4))
-    assert seen == [True, True]
-    got = grads.declared_grads()
-    assert torch.equal(got[0], torch.full((4,), 6.0)) and torch.equal(got[1], torch.full((4,), 4.0))
 
 
 @pytest.mark.parametrize("shape, dim", [((1, 12, 4), 1), ((2, 12, 4), 1), ((1, 12, 2, 3), 1), ((12, 4), 0)])
