@@ -39,7 +39,11 @@ class TileGrads:
     would bypass the hook. `owners` are the modules whose parameter names the error uses.
 
     The tiles run inside ``with grads.hooked():``, which puts the hook that takes each leaf's gradient
-    (see :meth:`_taking`) on it once for all the tiles, not once per tile.
+    (see :meth:`_taking`) on it once for all the tiles, not once per tile. A user's own gradient hooks
+    (``register_hook``) on a declared parameter are set aside for that block, so they run once, on the
+    gradient the Function returns summed with the parameter's other uses, as without tiles; left in
+    place they would run on every tile's gradient and then on the sum again (a hook that halves the
+    gradient would quarter it). An undeclared leaf with such hooks is refused like one with ZeRO's.
     """
 
     def __init__(self, who, declared, owners=()):
@@ -51,14 +55,20 @@ class TileGrads:
     @contextlib.contextmanager
     def hooked(self):
         """The block the tiles' :meth:`backprop` calls run in: the declared parameters' hooks are
-        registered on entry, an undeclared leaf's when a tile first reaches it, all removed on exit."""
-        self._handles = [p.register_hook(self._taking(total)) for p, total in zip(self.declared, self.sums)]
+        registered on entry (their users' hooks set aside), an undeclared leaf's when a tile first
+        reaches it; on exit ours are removed and the users' put back."""
+        set_aside = [p._backward_hooks for p in self.declared]
+        for p in self.declared:
+            p._backward_hooks = None
         try:
+            self._handles = [p.register_hook(self._taking(total)) for p, total in zip(self.declared, self.sums)]
             yield self
         finally:
-            handles, self._handles = self._handles, None
+            handles, self._handles = self._handles or [], None
             for handle in handles:
                 handle.remove()
+            for p, hooks in zip(self.declared, set_aside):
+                p._backward_hooks = hooks
 
     def backprop(self, out, grad_out, tile=None, into=None, weight=1.0, keep=True):
         """Backpropagates one tile's `out` given `grad_out`, its gradients times `weight`: the parameter
@@ -75,8 +85,8 @@ class TileGrads:
         known = {id(t) for t in self.declared} | ({id(tile)} if wants_tile else set())
         others = [leaf for leaf in _leaves(out) if id(leaf) not in known]
         for leaf in others:
-            self._check_undeclared(leaf)
             if id(leaf) not in self.undeclared:
+                self._check_undeclared(leaf)
                 self.undeclared[id(leaf)] = leaf, _Sum()
                 self._handles.append(leaf.register_hook(self._taking(self.undeclared[id(leaf)][1])))
         self._weight, self._keep = weight, keep
@@ -126,7 +136,7 @@ class TileGrads:
         return hook
 
     def _check_undeclared(self, leaf):
-        if hasattr(leaf, "ds_id") or getattr(leaf, "_post_accumulate_grad_hooks", None):
+        if hasattr(leaf, "ds_id") or getattr(leaf, "_post_accumulate_grad_hooks", None) or leaf._backward_hooks:
             names = {id(p): n for o in self.owners if isinstance(o, nn.Module) for n, p in o.named_parameters()}
             name = names.get(id(leaf), "a tensor")
             shape = tuple(getattr(leaf, "ds_shape", None) or leaf.shape)

@@ -66,18 +66,16 @@ def test_a_tile_output_that_is_itself_an_undeclared_leaf_gets_its_gradient():
 
 
 def _three_tiles(layer, keep):
-    """The weight gradient of `layer` (x @ w or nn.Linear, w = ones) summed over three tiles of
-    `(layer(x_t)).sum()` with x_t = 1, 2, 3 (ones [4, 3]); `keep(grad)` is a hook on the weight."""
-    linear = nn.Linear(3, 2, bias=False)
-    nn.init.ones_(linear.weight)
-    p = linear.weight if layer == "linear" else nn.Parameter(torch.ones(3, 2))
+    """The gradient of the weight p (ones) of `layer` (x @ w or F.linear(x, w), w = p + 0) summed over
+    three tiles of `(layer(x_t)).sum()` with x_t = 1, 2, 3 (ones [4, 3]); `keep(grad)` is a hook on w,
+    which sees the very tensor autograd then hands p (`+ 0` passes its gradient through)."""
+    p = nn.Parameter(torch.ones(2, 3) if layer == "linear" else torch.ones(3, 2))
     grads = TileGrads("test", [p])
-    handle = p.register_hook(keep)
     with grads.hooked():
         for value in (1.0, 2.0, 3.0):
-            x = torch.full((4, 3), value)
-            grads.backprop((linear(x) if layer == "linear" else x @ p).sum(), torch.tensor(1.0))
-    handle.remove()
+            x, w = torch.full((4, 3), value), p + 0
+            w.register_hook(keep)
+            grads.backprop((nn.functional.linear(x, w) if layer == "linear" else x @ w).sum(), torch.tensor(1.0))
     return p, grads.declared_grads()[0]
 
 
@@ -98,7 +96,7 @@ def test_a_first_gradient_nothing_else_holds_becomes_the_sum_without_a_copy(laye
     ids=["the tensor", "an alias of its memory", "a view", "a view: the tensor", "a view: its base",
          "a view: a view of its base"])
 def test_a_first_gradient_someone_else_holds_is_copied_before_later_tiles_add_to_it(layer, keep):
-    """A user's hook that keeps the gradient (or a tensor on its memory) must see it unchanged."""
+    """A hook that keeps the gradient (or a tensor on its memory) must see it unchanged."""
     kept = []
     p, total = _three_tiles(layer, lambda grad: kept.append(keep(grad)))
     assert torch.equal(total, torch.full(p.shape, 24.0))
@@ -111,12 +109,12 @@ def test_a_first_gradient_of_a_tensor_subclass_is_copied():
     two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
     p = nn.Parameter(torch.ones(3, 2))
     kept = []
-    handle = p.register_hook(lambda grad: kept.append(grad.a))
     grads = TileGrads("test", [p])
     with grads.hooked():
         for value in (1.0, 2.0, 3.0):
-            grads.backprop(torch.full((4, 3), value) @ p, two_tensor.TwoTensor(torch.ones(4, 2), torch.ones(4, 2)))
-    handle.remove()
+            w = p + 0
+            w.register_hook(lambda grad: kept.append(grad.a))
+            grads.backprop(torch.full((4, 3), value) @ w, two_tensor.TwoTensor(torch.ones(4, 2), torch.ones(4, 2)))
     total = grads.declared_grads()[0]
     assert torch.equal(total.a, torch.full((3, 2), 24.0)) and torch.equal(total.b, torch.full((3, 2), 24.0))
     assert torch.equal(kept[0], torch.full((3, 2), 4.0))

@@ -161,6 +161,23 @@ def test_tied_weight_gets_the_untiled_gradient_accumulated_once_after_every_use(
     assert_close(got, want, "grad")
 
 
+@pytest.mark.parametrize("hook", [lambda g: g * 0.5, lambda g: g.clamp(max=0.01)], ids=["halving", "clamping"])
+def test_a_users_gradient_hook_on_the_head_runs_once_on_the_summed_gradient(hook):
+    """The tiles run in forward; the user's hook on lm_head's weight still runs once, in backward, on the
+    gradient summed over the tiles, as for the untiled loss."""
+    head, x, y = inputs(2, 7)
+    want = grads_of(untiled(head, x, y), [x, head.weight, head.bias])
+    want[1] = hook(want[1])
+    calls = []
+    handle = head.weight.register_hook(lambda g: calls.append(1) or hook(g))
+    loss = TiledFusedLogitsLoss.apply(mean_ce, head, x, y, None, 3, None, "mean")
+    assert calls == [] and handle.id in head.weight._backward_hooks  # put back after the forward's tiles
+    got = grads_of(loss, [x, head.weight, head.bias])
+    handle.remove()
+    assert_close(got, want, "grad")
+    assert calls == [1]
+
+
 def test_backward_runs_in_forward_and_lm_head_is_not_recomputed():
     head, x, y = inputs(2, 7)
     rows = []

@@ -134,6 +134,36 @@ def test_undeclared_parameters_get_exact_gradients_without_hooks_and_are_refused
         y.sum().backward()
     handles[0].remove()
 
+    handle = mlp.gate_proj.weight.register_hook(lambda g: g * 0.5)  # per tile it could not be served exactly
+    y = TiledMLP.apply(mlp_fn, mlp, x, 3, [mlp.up_proj.weight, mlp.down_proj.weight])
+    with pytest.raises(ValueError, match=r"TiledMLP: fn uses gate_proj.weight \[40, 16\], which requires grad"):
+        y.sum().backward()
+    handle.remove()
+
+
+@pytest.mark.parametrize("hook", [lambda g: g * 0.5, lambda g: g.clamp(max=0.05)], ids=["halving", "clamping"])
+@pytest.mark.parametrize("impl", ["untiled", "ours", "deepspeed"])
+def test_a_users_gradient_hook_on_a_declared_parameter_runs_once_on_the_summed_gradient(impl, hook):
+    """As without tiles: once per backward, on the gradient summed over the tiles. Run per tile and then
+    on the sum again it would quarter a gradient the hook halves. DeepSpeed runs it once per tile: the
+    same for a linear hook, not for a clamp."""
+    torch.manual_seed(0)
+    mlp = DeepSpeedStyleMLP(deepspeed_alst.TiledMLP if impl == "deepspeed" else TiledMLP, 4)
+    x = torch.randn(2, 9, 16, requires_grad=True)
+    w = torch.randn(2, 9, 16)
+    want = grads_of((GatedMLP.forward(mlp, x) * w).sum(), [x, *mlp.parameters()])
+    calls = []
+    handle = mlp.up_proj.weight.register_hook(lambda g: calls.append(1) or hook(g))
+    got = grads_of(((GatedMLP.forward(mlp, x) if impl == "untiled" else mlp(x)) * w).sum(), [x, *mlp.parameters()])
+    handle.remove()
+    want[2] = hook(want[2])  # [x, gate, up, down]
+    if impl == "deepspeed" and hook(torch.ones(())) != 0.5:
+        assert rel(got[2], want[2]) > TOL  # the clamp applied to each tile's part
+        return
+    assert_close(got, want, "grad")
+    assert len(calls) == (4 if impl == "deepspeed" else 1)
+    assert not mlp.up_proj.weight._backward_hooks and not mlp.gate_proj.weight._backward_hooks
+
 
 def test_auto_shards_and_bad_inputs():
     torch.manual_seed(0)
