@@ -57,9 +57,7 @@ class TileGrads:
         """The block the tiles' :meth:`backprop` calls run in: the declared parameters' hooks are
         registered on entry (their users' hooks set aside), an undeclared leaf's when a tile first
         reaches it; on exit ours are removed and the users' put back."""
-        set_aside = [p._backward_hooks for p in self.declared]
-        for p in self.declared:
-            p._backward_hooks = None
+        set_aside = [_set_aside_hooks(p) for p in self.declared]
         try:
             self._handles = [p.register_hook(self._taking(total)) for p, total in zip(self.declared, self.sums)]
             yield self
@@ -68,7 +66,7 @@ class TileGrads:
             for handle in handles:
                 handle.remove()
             for p, hooks in zip(self.declared, set_aside):
-                p._backward_hooks = hooks
+                _put_back_hooks(p, hooks)
 
     def backprop(self, out, grad_out, tile=None, into=None, weight=1.0, keep=True):
         """Backpropagates one tile's `out` given `grad_out`, its gradients times `weight`: the parameter
@@ -146,6 +144,26 @@ class TileGrads:
                 "gradient must reach the hook once, after all its uses, which only a declared parameter's does: "
                 "add it to compute_params, or pass compute_params=None to declare every trainable parameter "
                 "of the module")
+
+
+def _set_aside_hooks(param):
+    """Empties `param`'s gradient hook table (``register_hook``'s, which autograd reads when it runs
+    them) and returns what it held. The table itself stays, so the users' handles still remove from it."""
+    hooks = param._backward_hooks
+    held = list(hooks.items()) if hooks else []
+    if held:
+        hooks.clear()
+    return held
+
+
+def _put_back_hooks(param, held):
+    """Puts the hooks :func:`_set_aside_hooks` took back first, before any registered in between."""
+    if held:
+        hooks = param._backward_hooks
+        added = list(hooks.items())
+        hooks.clear()
+        hooks.update(held)
+        hooks.update(added)
 
 
 def _write(into, grad, weight=1.0):

@@ -53,6 +53,25 @@ def test_the_hooks_live_only_in_the_block_and_pass_other_backwards_through():
         grads.backprop((p * 2).sum(), torch.tensor(1.0))
 
 
+def test_users_hooks_are_set_aside_for_the_tiles_and_put_back_in_order_with_any_added_meanwhile():
+    """A user's hook does not see the tiles' gradients; afterwards it runs first again, a hook registered
+    during the block (fn could) is kept after it, and the user's handles still remove theirs."""
+    p = nn.Parameter(torch.ones(3))
+    seen = []
+    users = p.register_hook(lambda g: seen.append("user") or g * 2)
+    grads = TileGrads("test", [p])
+    with grads.hooked():
+        grads.backprop((p * 3).sum(), torch.tensor(1.0))
+        added = p.register_hook(lambda g: seen.append("added"))
+    (total,) = grads.declared_grads()
+    assert seen == [] and torch.equal(total, torch.full((3,), 3.0))
+    p.sum().backward()
+    assert seen == ["user", "added"] and torch.equal(p.grad, torch.full((3,), 2.0))
+    users.remove()
+    added.remove()
+    assert not p._backward_hooks
+
+
 def test_a_tile_output_that_is_itself_an_undeclared_leaf_gets_its_gradient():
     """fn may return a trainable leaf as it is (no graph behind it): its gradient is still summed."""
     declared, returned = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
