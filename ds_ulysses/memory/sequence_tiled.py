@@ -149,7 +149,7 @@ def sequence_tiled_compute(fn, seqlen, shards, kwargs_to_shard, kwargs_to_pass, 
     means every trainable parameter of `fn` if it is a module and of the modules in `kwargs_to_pass`,
     plus parameters passed there directly. Declared parameters are inputs of the Function, and their
     gradients, summed over the backward's tile recomputes, leave it once, so ZeRO reduces each once
-    (see `tiles`). A trainable parameter `fn` uses that is not declared gets its gradient in `.grad`
+    (see `tile_grads`). A trainable parameter `fn` uses that is not declared gets its gradient in `.grad`
     directly, which is refused under DeepSpeed ZeRO.
     """
     return SequenceTiledCompute.apply(fn, seqlen, shards, list(kwargs_to_shard), list(kwargs_to_pass),

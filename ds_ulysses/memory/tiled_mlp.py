@@ -24,7 +24,7 @@ class TiledMLP(torch.autograd.Function):
     trainable parameters `fn` uses (DeepSpeed's call: `TiledMLP.apply(fn, self, x, shards,
     [self.up_proj.weight, ...])`, also from inside the MLP's own hooked `forward` under ZeRO-3); None
     means every trainable parameter of `module`. Their gradients leave the Function once per backward
-    (see `tiles`); a trainable parameter `fn` uses that is not listed gets its gradient in `.grad`
+    (see `tile_grads`); a trainable parameter `fn` uses that is not listed gets its gradient in `.grad`
     directly, which is refused under DeepSpeed ZeRO.
     """
 
