@@ -103,7 +103,7 @@ def _backprop_tile(ctx, grads, args, source, source_grad, grad_out, i):
     """Recomputes tile `i` with autograd and backpropagates it (its tensors die on return)."""
     start, stop = ctx.bounds[i]
     tile = seq_tile(source, start, stop, 1).requires_grad_(source_grad is not None)  # [bs, sl_t, ...]
-    kwargs = {**_tile_kwargs(ctx.keys, args, ctx.n_shard, start, stop), ctx.grad_key: tile}
+    kwargs = _tile_kwargs(ctx.keys, args, ctx.n_shard, start, stop, {ctx.grad_key: tile})
     with torch.enable_grad():
         out = ctx.fn(**kwargs)
     adds_nothing = ctx.per_tile and ctx.reduction is not None and stop == start
@@ -123,10 +123,13 @@ def _tile_grad_out(ctx, grad_out, i, out):
     return grad_out.narrow(ctx.dim, offset, size), 1.0
 
 
-def _tile_kwargs(keys, args, n_shard, start, stop):
+def _tile_kwargs(keys, args, n_shard, start, stop, given=None):
     """kwargs for one tile: the first `n_shard` args sliced `[:, start:stop]` (contiguous, as fn may
-    `.view` them), the rest passed whole."""
-    return {k: (seq_tile(a, start, stop, 1) if i < n_shard else a) for i, (k, a) in enumerate(zip(keys, args))}
+    `.view` them; a copy when bs > 1), the rest passed whole; `given` ({key: tile}) holds tiles made
+    already, which are not sliced again."""
+    given = given or {}
+    return {k: given[k] if k in given else seq_tile(a, start, stop, 1) if i < n_shard else a
+            for i, (k, a) in enumerate(zip(keys, args))}
 
 
 def sequence_tiled_compute(fn, seqlen, shards, kwargs_to_shard, kwargs_to_pass, grad_requiring_tensor_key,
