@@ -12,6 +12,7 @@ import torch
 
 from .tile_grads import TileGrads
 from .tiles import input_names, one_grad_per_input, positive_int, seq_tile, tile_bounds, trainable_params, zero3_whole
+
 __all__ = ["SequenceTiledCompute", "sequence_tiled_compute"]
 
 _REDUCTIONS = (None, "mean", "sum")

@@ -94,7 +94,9 @@ class TileGrads:
         finally:
             self._weight = None
         if wants_tile and got[0] is not None:
-            _write(into, got[0], weight)
+            into.copy_(got[0])
+            if weight != 1:
+                into.mul_(weight)
 
     def declared_grads(self, scale=None):
         """What backward returns for the declared parameters: their summed gradients (None where a
@@ -164,12 +166,6 @@ def _put_back_hooks(param, held):
         hooks.clear()
         hooks.update(held)
         hooks.update(added)
-
-
-def _write(into, grad, weight=1.0):
-    into.copy_(grad)
-    if weight != 1:
-        into.mul_(weight)
 
 
 class _Sum:

@@ -16,6 +16,7 @@ import torch
 from .tile_grads import TileGrads
 from .tiles import one_grad_per_input, positive_int, resolve_loss_shards, tile_bounds, trainable_params, weight_rows, \
     zero3_whole
+
 __all__ = ["TiledFusedLogitsLoss"]
 
 

@@ -10,6 +10,7 @@ import torch
 from .tile_grads import TileGrads
 from .tiles import agree_on_shards, auto_mlp_shards, one_grad_per_input, positive_int, seq_tile, tile_bounds, \
     trainable_params, zero3_whole
+
 __all__ = ["TiledMLP"]
 
 
