@@ -9,6 +9,7 @@ Dimensions: bs batch, sl sequence, sl_t one tile of it.
 """
 
 import torch
+from torch.autograd import Function
 
 from .tile_grads import TileGrads
 from .tiles import input_names, one_grad_per_input, positive_int, seq_tile, tile_bounds, trainable_params, zero3_whole
@@ -18,7 +19,7 @@ __all__ = ["SequenceTiledCompute", "sequence_tiled_compute"]
 _REDUCTIONS = (None, "mean", "sum")
 
 
-class SequenceTiledCompute(torch.autograd.Function):
+class SequenceTiledCompute(Function):
     """Run `fn` over sequence tiles of the `[bs, sl, ...]` tensors in `args`; recompute per tile in backward.
 
     Called through `sequence_tiled_compute`, which takes dicts; see there for the contract.

@@ -12,6 +12,7 @@ Dimensions: bs batch, sl sequence, h hidden, n = bs*sl flattened tokens, n_t one
 """
 
 import torch
+from torch.autograd import Function
 
 from .tile_grads import TileGrads
 from .tiles import one_grad_per_input, positive_int, resolve_loss_shards, tile_bounds, trainable_params, weight_rows, \
@@ -20,7 +21,7 @@ from .tiles import one_grad_per_input, positive_int, resolve_loss_shards, tile_b
 __all__ = ["TiledFusedLogitsLoss"]
 
 
-class TiledFusedLogitsLoss(torch.autograd.Function):
+class TiledFusedLogitsLoss(Function):
     """The loss of `fn` over tiles of tokens, its gradients computed tile by tile in forward.
 
     `x` is `[..., h]` (e.g. `[bs, sl, h]`) and `y` has `x.shape[:-1]` (e.g. `shift_labels`); both are

@@ -6,6 +6,7 @@ n = bs*sl flattened tokens, n_t one tile of them.
 """
 
 import torch
+from torch.autograd import Function
 
 from .tile_grads import TileGrads
 from .tiles import agree_on_shards, auto_mlp_shards, one_grad_per_input, positive_int, seq_tile, tile_bounds, \
@@ -14,7 +15,7 @@ from .tiles import agree_on_shards, auto_mlp_shards, one_grad_per_input, positiv
 __all__ = ["TiledMLP"]
 
 
-class TiledMLP(torch.autograd.Function):
+class TiledMLP(Function):
     """`fn(module, x_tile) -> y_tile` over sequence tiles of `x` (`[bs, sl, h]` or `[sl, h]`, tiled on dim -2).
 
     Output is the tiles concatenated on dim -2. `shards` is an int >= 1 or "auto"

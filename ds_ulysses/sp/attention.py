@@ -175,14 +175,14 @@ class UlyssesAttention(torch.nn.Module):
         return self._layouts[key]
 
     # -- per layer ------------------------------------------------------------------------------
-    def forward(self, module, query, key, value, attention_mask, *args, **kwargs):
+    def forward(self, module, query, key, value, attention_mask, *rest, **kwargs):
         """q/k/v ``[bs hc sl_l hs]`` -> ``([bs sl_l hc hs], attn_weights)``.
 
         ``attention_mask`` is ignored under SP: a mask built for the local shard means nothing
         after the all-to-all; causality and document boundaries come from the global position_ids.
         """
         if self.world_size == 1 or (self.disable_in_eval and not module.training):
-            return self.attn(module, query, key, value, attention_mask, *args, **kwargs)
+            return self.attn(module, query, key, value, attention_mask, *rest, **kwargs)
         hc, hc_kv = query.shape[1], key.shape[1]
         state = self._gather_positions(kwargs.get("position_ids"), query, key)
         seq_lens = state.seq_lens
@@ -197,7 +197,7 @@ class UlyssesAttention(torch.nn.Module):
             self.watch.reraise("the attention's q/k/v all-to-all", err)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
         kwargs["position_ids"] = state.positions
-        out, weights = self._core(module, q, k, v, state, self._plan(hc, hc_kv), *args, **kwargs)  # [bs sl hc_l hs]
+        out, weights = self._core(module, q, k, v, state, self._plan(hc, hc_kv), *rest, **kwargs)  # [bs sl hc_l hs]
         # [bs sl hc_l hs] -> all-to-all -> [bs sl_l hc hs]
         try:
             (out,) = HeadsToSeq.apply(self._layout(seq_lens, hc, hc_kv, False), out)
