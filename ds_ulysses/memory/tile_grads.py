@@ -49,6 +49,7 @@ class TileGrads:
     def __init__(self, who, declared, owners=()):
         self.who, self.declared, self.owners = who, list(declared), owners
         self.sums = [_Sum() for _ in self.declared]
+        self._declared_ids = {id(p) for p in self.declared}
         self.undeclared = {}  # id -> (leaf, _Sum)
         self._handles, self._weight, self._keep = None, None, True
 
@@ -80,8 +81,7 @@ class TileGrads:
         if not out.requires_grad:
             return
         wants_tile = tile is not None and tile.requires_grad
-        known = {id(t) for t in self.declared} | ({id(tile)} if wants_tile else set())
-        others = [leaf for leaf in _leaves(out) if id(leaf) not in known]
+        others = [leaf for leaf in _leaves(out) if id(leaf) not in self._declared_ids and leaf is not tile]
         for leaf in others:
             if id(leaf) not in self.undeclared:
                 self._check_undeclared(leaf)
@@ -119,19 +119,25 @@ class TileGrads:
     def _taking(self, total):
         """A leaf's gradient hook for the tiles: the gradient is added, times the tile's weight, to the
         leaf's sum `total` the moment autograd has it, and autograd gets a zero in its place (one
-        element seen through stride 0). Gradients that ``autograd.grad`` returned would all live until
-        the tile's whole backward is done, where autograd's own accumulation into ``.grad`` frees each
-        at once. A tile that adds nothing (`keep` false) leaves the sums alone; a backward that is not
-        a tile's (none runs inside the block, but fn could start one) gets the gradient untouched."""
+        element seen through stride 0, made on the first call and handed back on every later one: a
+        leaf's gradient has the leaf's shape, dtype and device, and ``autograd.grad`` only returns it
+        to be dropped). Gradients that ``autograd.grad`` returned would all live until the tile's whole
+        backward is done, where autograd's own accumulation into ``.grad`` frees each at once. A tile
+        that adds nothing (`keep` false) leaves the sums alone; a backward that is not a tile's (none
+        runs inside the block, but fn could start one) gets the gradient untouched."""
+        zero = None
 
         def hook(grad):
+            nonlocal zero
             if self._weight is None:
                 return None
             if self._keep:
                 total.add(grad, weight=self._weight)
             if grad.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)) cannot be expanded
                 return torch.zeros_like(grad)
-            return grad.new_zeros(()).expand_as(grad)
+            if zero is None:
+                zero = grad.new_zeros(()).expand_as(grad)
+            return zero
 
         return hook
 
