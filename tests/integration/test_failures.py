@@ -222,8 +222,8 @@ def _launch_failure(mode: str, timeout: float, tmp_path) -> dict:
                "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
         log = open(tmp_path / f"rank{rank}.log", "w+")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.support.rank_failure", mode, str(timeout), str(stamp)],
-                                      cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+        command = [sys.executable, "-m", "tests.support.rank_failure", mode, str(timeout), str(stamp)]
+        procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
         code = procs[0].wait(timeout=600)
         ended = time.time()

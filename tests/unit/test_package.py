@@ -56,7 +56,9 @@ def _imports(path, parts):
 
 def _layer_of(module: str):
     parts = module.split(".")
-    return parts[1] if parts[0] == "ds_ulysses" and len(parts) > 1 else ("__init__" if parts == ["ds_ulysses"] else None)
+    if parts[0] != "ds_ulysses":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
 def test_layers_import_only_downwards_and_frameworks_only_where_they_belong():
@@ -142,7 +144,8 @@ def test_each_shared_fact_has_one_home(pattern, home):
 
 
 def _unsafe(code: str) -> bool:
-    if re.search(r"^\s*(import pickle|from pickle)", code) or re.search(r"torch\.load\((?![^)]*weights_only=True)", code):
+    if re.search(r"^\s*(import pickle|from pickle)", code) \
+            or re.search(r"torch\.load\((?![^)]*weights_only=True)", code):
         return True
     for m in re.finditer(r"\b(all_gather_object|broadcast_object_list|scatter_object_list|gather_object|"
                          r"recv_object_list|pickle\.loads?|yaml\.load|eval|exec)\(", code):

@@ -316,10 +316,11 @@ def _uninstall(rank, world_size):
     ds_ulysses.install()
     import deepspeed
     later = tiny_model(tiny_config("llama"))  # adopted by the global registration
+    original_initialize = ds_ulysses.engine.PATCHES.original_attr(deepspeed, "initialize")
     touched = {"config": model.config is not config, "post_init": PreTrainedModel.post_init is not post_init,
                "hooks": bool(later.model._forward_pre_hooks and model.model._forward_pre_hooks),
                "forward": "forward" in vars(model), "mlp": "forward" in vars(model.model.layers[0].mlp),
-               "deepspeed": deepspeed.initialize is not ds_ulysses.engine.PATCHES.original_attr(deepspeed, "initialize")}
+               "deepspeed": deepspeed.initialize is not original_initialize}
     ds_ulysses.uninstall()
     restored = {"tables": (ALL_ATTENTION_FUNCTIONS["sdpa"], ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]) == tables,
                 "post_init": PreTrainedModel.post_init is post_init,

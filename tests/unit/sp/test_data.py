@@ -83,7 +83,8 @@ def test_padding_off_says_how_to_pad():
 
 def test_tensors_disagreeing_in_length_raise():
     with pytest.raises(ValueError, match="share the sequence length.*'labels' has shape \\[1, 5\\]"):
-        prepare_sample({"input_ids": torch.ones(1, 6, dtype=torch.long), "labels": torch.ones(1, 5, dtype=torch.long)}, 2)
+        prepare_sample({"input_ids": torch.ones(1, 6, dtype=torch.long),
+                        "labels": torch.ones(1, 5, dtype=torch.long)}, 2)
 
 
 def test_missing_input_ids_raise():

@@ -74,7 +74,8 @@ def test_partial_or_damaged_checkpoint_raises_with_fix(tmp_path):
     target = path / "ds" / "model_states.pt"
     data = target.read_bytes()
     target.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
-    with pytest.raises(ckpt.CheckpointError, match=r"is damaged: .* 0 missing \[\] and 1 changed \['ds/model_states.pt'\]"):
+    damaged = r"is damaged: .* 0 missing \[\] and 1 changed \['ds/model_states.pt'\]"
+    with pytest.raises(ckpt.CheckpointError, match=damaged):
         ckpt.verify_checkpoint(path)
     (path / ckpt.MANIFEST).unlink()
     with pytest.raises(ckpt.CheckpointError, match=r"is incomplete: expected manifest.json, .*fix: resume from the"):

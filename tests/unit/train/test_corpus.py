@@ -78,7 +78,8 @@ def test_short_data_wraps_and_jsonl_text_fields(tmp_path):
 def test_bad_inputs_say_what_and_how_to_fix(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"content": "x"}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected an object with a string \"text\" field, got \['content'\]"):
+    expected = r"bad.jsonl:1: expected an object with a string \"text\" field, got \['content'\]"
+    with pytest.raises(ValueError, match=expected):
         list(file_texts([bad]))
     with pytest.raises(FileNotFoundError, match="no such file"):
         list(file_texts([tmp_path / "missing.txt"]))
