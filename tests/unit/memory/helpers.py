@@ -53,11 +53,11 @@ def tile_sizes(length, shards):
 class GatedMLP(nn.Module):
     """Llama-style gate/up/down MLP."""
 
-    def __init__(self, h=16, inter=40):
+    def __init__(self, h=16, inter=40, bias=False):
         super().__init__()
-        self.gate_proj = nn.Linear(h, inter, bias=False)
-        self.up_proj = nn.Linear(h, inter, bias=False)
-        self.down_proj = nn.Linear(inter, h, bias=False)
+        self.gate_proj = nn.Linear(h, inter, bias=bias)
+        self.up_proj = nn.Linear(h, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, h, bias=bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
