@@ -36,10 +36,11 @@ from ds_ulysses.constants import GIB
 from ds_ulysses.planner import parse_size
 
 __all__ = ["add_arguments", "run_command", "main", "launch", "OverBudget", "run_suite", "run_layer_suite", "summarize",
-           "impl_name", "arms", "parse_bytes", "launch_time", "launch_peak", "NOISE_ARM"]
+           "impl_name", "arms", "parse_bytes", "launch_time", "launch_peak", "NOISE_ARM", "TILED_OPS"]
 
 _IMPLS = ("deepspeed", "ours-dropin", "ours", "deepspeed-alst")
 NOISE_ARM = "deepspeed[again]"
+TILED_OPS = ("tiled_mlp", "stc_mlp", "stc_loss", "fused_loss")  # --tiled-iters' operations (benchmarks.tiled)
 
 
 def impl_name(impl: str, variant: str | None) -> str:
@@ -336,6 +337,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead of training steps, time TiledMLP and sequence_tiled_compute against "
                              "DeepSpeed's (and DeepSpeed's against itself: the noise) at equal shards, N "
                              "interleaved iterations per process, --reps processes per operation and length")
+    parser.add_argument("--tiled-ops", nargs="+", choices=TILED_OPS, default=list(TILED_OPS),
+                        help="with --tiled-iters: the operations to time (all by default)")
     parser.add_argument("--max-seq", metavar="BUDGET", default=None,
                         help="instead of a fixed S, search the longest S whose step fits BUDGET of RSS per rank "
                              "(e.g. 4G) for each --impl / --variant")
@@ -399,7 +402,8 @@ def run_command(args: argparse.Namespace) -> int:
     elif args.tiled_iters > 0:
         from .tiled import format_tiled, run_tiled_suite
 
-        print(format_tiled(run_tiled_suite(seq_lens, args.tiled_iters, out, args.timeout, reps=args.reps)))
+        print(format_tiled(run_tiled_suite(seq_lens, args.tiled_iters, out, args.timeout, ops=args.tiled_ops,
+                                           reps=args.reps)))
     elif args.layer_iters > 0:
         run_layer_suite(seq_lens, args.sp, args.layer_iters, out, args.timeout)
     else:

@@ -22,6 +22,7 @@ bench --seq-len 32K --sp 2 --reps 3 --cycles 1 --impl deepspeed ours --profile-r
 bench --seq-len 32K --sp 2 --reps 3 --cycles 1 --impl deepspeed ours-dropin --profile-reps 0
 # 3. TiledMLP and sequence_tiled_compute against DeepSpeed's at equal shards (one rank's tokens)
 bench --tiled-iters 6 --reps 3 --seq-len 2K 4K
+bench --tiled-iters 6 --reps 6 --seq-len 2K 4K --tiled-ops tiled_mlp stc_mlp  # the MLP rows' 1% needs nine processes
 # 4. the longest sequence whose step fits 2.5 GiB of RSS per rank, three recipes, sp 2
 bench --max-seq 2.5G --sp 2 --impl deepspeed deepspeed-alst ours
 # 5. the memory planner's anchor: DeepSpeed at S=64 (its RSS is the runtime and the model states alone)

@@ -38,11 +38,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .bench import NOISE_ARM
+from .bench import NOISE_ARM, TILED_OPS as OPS
 
 __all__ = ["OPS", "run", "run_tiled_suite", "format_tiled", "MALLOC_ENV"]
 
-OPS = ("tiled_mlp", "stc_mlp", "stc_loss", "fused_loss")
 LOSS_TILE_TOKENS = 1024  # the loss ops: 128 MiB of fp32 logits per tile at a 32K vocabulary (ours' "auto")
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 17), "MALLOC_TRIM_THRESHOLD_": str(1 << 17)}
 

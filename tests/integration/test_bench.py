@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -167,3 +168,28 @@ def test_tiled_table_judges_the_median_ratio_against_the_noise_arm():
     assert "| 3 x 4 |" in row and "**0.85 [0.80-0.90]**" in row and "±5.0%" in row
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[8] == "met" and cells[11] == "**1.100 [1.100-1.100]**" and cells[13] == "missed by +10.0%"
+
+
+
+def test_tiled_ops_picks_the_operations_a_tiled_suite_launches(tmp_path, monkeypatch):
+    """`--tiled-ops` reaches the suite, which launches those operations only, each length and repetition."""
+    launched = []
+
+    def fake_launch(spec, world, workdir, timeout):
+        launched.append((spec["op"], spec["seq_len"]))
+        return [{"shards": 1, "iters": 2, "same_output_and_grads": True,
+                 **{f"{arm}_{key}": 1.0 for arm in ("deepspeed", NOISE_ARM, "ours") for key in ("s", "peak")}}]
+
+    def parse(argv):
+        parser = argparse.ArgumentParser()
+        bench.add_arguments(parser)
+        return parser.parse_args(argv)
+
+    monkeypatch.setattr(bench, "launch", fake_launch)
+    out = tmp_path / "runs.jsonl"
+    bench.run_command(parse(["--tiled-iters", "2", "--reps", "2", "--seq-len", "2K", "4K", "--tiled-ops", "stc_mlp",
+                             "--out", str(out)]))
+    assert launched == [("stc_mlp", 2048), ("stc_mlp", 4096)] * 2
+    assert [json.loads(line)["op"] for line in out.read_text().splitlines()] == ["stc_mlp"] * 4
+    with pytest.raises(SystemExit):
+        parse(["--tiled-iters", "2", "--tiled-ops", "attention"])
