@@ -170,7 +170,6 @@ def test_tiled_table_judges_the_median_ratio_against_the_noise_arm():
     assert cells[8] == "met" and cells[11] == "**1.100 [1.100-1.100]**" and cells[13] == "missed by +10.0%"
 
 
-
 def test_tiled_ops_picks_the_operations_a_tiled_suite_launches(tmp_path, monkeypatch):
     """`--tiled-ops` reaches the suite, which launches those operations only, each length and repetition."""
     launched = []
