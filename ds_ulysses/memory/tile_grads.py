@@ -119,12 +119,13 @@ class TileGrads:
     def _taking(self, total):
         """A leaf's gradient hook for the tiles: the gradient is added, times the tile's weight, to the
         leaf's sum `total` the moment autograd has it, and autograd gets a zero in its place (one
-        element seen through stride 0, made on the first call and handed back on every later one: a
-        leaf's gradient has the leaf's shape, dtype and device, and ``autograd.grad`` only returns it
-        to be dropped). Gradients that ``autograd.grad`` returned would all live until the tile's whole
-        backward is done, where autograd's own accumulation into ``.grad`` frees each at once. A tile
-        that adds nothing (`keep` false) leaves the sums alone; a backward that is not a tile's (none
-        runs inside the block, but fn could start one) gets the gradient untouched."""
+        element seen through stride 0, for a plain tensor the process's zero of that dtype and device,
+        so a backward allocates nothing for it: a leaf's gradient has the leaf's shape, dtype and
+        device, and ``autograd.grad`` only returns it to be dropped). Gradients that ``autograd.grad``
+        returned would all live until the tile's whole backward is done, where autograd's own
+        accumulation into ``.grad`` frees each at once. A tile that adds nothing (`keep` false) leaves
+        the sums alone; a backward that is not a tile's (none runs inside the block, but fn could start
+        one) gets the gradient untouched."""
         zero = None
 
         def hook(grad):
@@ -136,7 +137,8 @@ class TileGrads:
             if grad.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)) cannot be expanded
                 return torch.zeros_like(grad)
             if zero is None:
-                zero = grad.new_zeros(()).expand_as(grad)
+                one = _zero(grad.dtype, grad.device) if type(grad) is torch.Tensor else grad.new_zeros(())
+                zero = one.expand_as(grad)
             return zero
 
         return hook
@@ -152,6 +154,12 @@ class TileGrads:
                 "gradient must reach the hook once, after all its uses, which only a declared parameter's does: "
                 "add it to compute_params, or pass compute_params=None to declare every trainable parameter "
                 "of the module")
+
+
+@functools.lru_cache(maxsize=None)
+def _zero(dtype, device):
+    """A 0-dim zero, one per dtype and device for the process; the hooks hand autograd stride-0 views of it."""
+    return torch.zeros((), dtype=dtype, device=device)
 
 
 def _set_aside_hooks(param):
