@@ -9,6 +9,11 @@ mark is reset with ``/proc/self/clear_refs`` before each call, and the process r
 ``MALLOC_MMAP_THRESHOLD_`` so that freed tensors leave the RSS at once: glibc would otherwise keep
 one implementation's freed blocks resident and hand them to the other for free). Parameter
 gradients are dropped before each call, so each allocates them. Outputs and gradients are compared.
+After the timed iterations each implementation runs once more under ``torch.profiler`` with
+``profile_memory``: the running sum of its allocator events (every tensor allocated and freed, in
+order) gives the peak bytes of tensors alive above those before the call, exact to the byte and
+blind to where glibc places a block, which the RSS mark is not (it also counts the heap pages that
+small allocations, a tensor's or a Python object's, happen to fault in).
 The report takes ours / DeepSpeed per process and its median over the repetitions; the noise is
 ``max |again / DeepSpeed - 1|`` over them, as for the training steps (:mod:`benchmarks.report`).
 
@@ -66,6 +71,22 @@ def _settle() -> int:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return _rss_pair()[0]
+
+
+def _tensor_peak(call) -> int:
+    """Peak bytes of tensors alive during `call()` above those alive before it: the running sum of the
+    profiler's allocator events (+ allocated, - freed) in the order they happened."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    events = [(e.start_ns(), i, e.nbytes()) for i, e in enumerate(prof.profiler.kineto_results.events())
+              if e.name() == "[memory]"]
+    live = peak = 0
+    for _, _, nbytes in sorted(events):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
 
 
 def _mlp(model: dict):
@@ -157,6 +178,13 @@ def run(op: str, seq_len: int, iters: int, model: dict | None = None) -> dict:
                 peaks[name].append(peak)
             results[name] = (out.detach(), x.grad, [p.grad.clone() for p in params])
             del out, x
+    tensor_peaks = {}
+    for name in calls:
+        for p in params:
+            p.grad = None
+        x = x0.clone().requires_grad_(True)
+        tensor_peaks[name] = _tensor_peak(lambda: calls[name](x).backward())
+        del x
     ref, got = results["deepspeed"], results["ours"]
     same = bool(torch.allclose(ref[0], got[0], rtol=1e-4, atol=1e-4) and torch.allclose(ref[1], got[1], rtol=1e-4,
                                                                                            atol=1e-6)
@@ -164,6 +192,7 @@ def run(op: str, seq_len: int, iters: int, model: dict | None = None) -> dict:
     return {"op": op, "seq_len": seq_len, "shards": shards, "iters": iters, "same_output_and_grads": same,
             **{f"{name}_s": statistics.median(t) for name, t in times.items()},
             **{f"{name}_peak": statistics.median(p) for name, p in peaks.items()},
+            **{f"{name}_tensor_peak": peak for name, peak in tensor_peaks.items()},
             "times": times, "peaks": peaks}
 
 
@@ -239,10 +268,27 @@ def format_tiled(records: list[dict]) -> str:
                       _spread([res[f"ours_{key}"] for res in results], scale, digits),
                       f"**{_spread(ratios, digits=ratio_digits)}**", _noise_text(noise),
                       target_verdict(statistics.median(ratios), noise, 1.0)]
-        rows.append(cells + ["yes" if all(res["same_output_and_grads"] for res in results) else "NO"])
+        rows.append(cells + _tensor_cells([res for res in results if "ours_tensor_peak" in res])
+                    + ["yes" if all(res["same_output_and_grads"] for res in results) else "NO"])
     return _table(["operation", "sl (one rank)", "shards", "processes x iterations", "DeepSpeed s", "ours s",
                    "time ours/DS", "noise", "time <= 1", "DeepSpeed peak MiB above base", "ours peak MiB",
-                   "memory ours/DS", "noise", "memory <= 1", "same output and grads"], rows)
+                   "memory ours/DS", "noise", "memory <= 1", "processes with tensor peaks",
+                   "DeepSpeed tensor peak MiB", "tensor peak ours - DS, bytes", "noise, bytes", "tensor peak <= DS",
+                   "same output and grads"], rows)
+
+
+def _tensor_cells(results: list[dict]) -> list[str]:
+    """The tensor-peak cells of a row: ours - DeepSpeed in bytes per process (median [min-max]), the noise
+    arm's largest distance from DeepSpeed, and the verdict on the median against it."""
+    if not results:
+        return ["0", "-", "-", "-", "-"]
+    diffs = [res["ours_tensor_peak"] - res["deepspeed_tensor_peak"] for res in results]
+    noise = max(abs(res[f"{NOISE_ARM}_tensor_peak"] - res["deepspeed_tensor_peak"]) for res in results)
+    diff = statistics.median(diffs)
+    verdict = ("met" if diff + noise <= 0 else f"missed by +{diff:g} B" if diff - noise > 0
+               else "undecided (within noise)")
+    return [str(len(results)), _spread([res["deepspeed_tensor_peak"] for res in results], 2**20, 2),
+            f"**{statistics.median(diffs):+g} [{min(diffs):+g}-{max(diffs):+g}]**", f"{noise:g}", verdict]
 
 
 if __name__ == "__main__":  # a quick look without the launcher: python -m benchmarks.tiled OP SEQ ITERS

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from ds_ulysses import cli
 from ds_ulysses.planner import parse_size
@@ -151,6 +152,20 @@ def test_tiled_operations_agree_with_deepspeeds(op):
     result = tiled.run(op, 384, 1, {"hidden": 64, "intermediate": 128, "vocab": 512})
     assert result["same_output_and_grads"], result
     assert {len(result["times"][arm]) for arm in ("deepspeed", NOISE_ARM, "ours")} == {1}  # the noise arm ran too
+    assert 0 < result["ours_tensor_peak"] <= result["deepspeed_tensor_peak"] == result[f"{NOISE_ARM}_tensor_peak"]
+
+
+def test_tensor_peak_is_the_most_tensor_bytes_alive_at_once():
+    def call():
+        a = torch.empty(1024)  # 4 KiB
+        b = torch.empty(2048)  # 8 KiB: 12 KiB alive
+        del a
+        c = torch.empty(512)  # 2 KiB: 10 KiB alive
+        del b, c
+
+    before = torch.empty(4096)  # alive throughout, freed inside: the peak counts from the start
+    assert tiled._tensor_peak(call) == 12 * 1024
+    assert tiled._tensor_peak(lambda: before.resize_(0)) == 0
 
 
 def test_tiled_table_judges_the_median_ratio_against_the_noise_arm():
@@ -160,6 +175,9 @@ def test_tiled_table_judges_the_median_ratio_against_the_noise_arm():
         result = {"op": "tiled_mlp", "seq_len": 2048, "shards": 8, "iters": 4, "same_output_and_grads": True,
                   "deepspeed_s": ds, f"{NOISE_ARM}_s": again, "ours_s": ours,
                   "deepspeed_peak": 10 * mib, f"{NOISE_ARM}_peak": 10 * mib, "ours_peak": 11 * mib}
+        if ds == 2.0:  # one process measured tensor peaks: ours 12 bytes above DeepSpeed, its two arms 4 apart
+            result.update({"deepspeed_tensor_peak": mib, f"{NOISE_ARM}_tensor_peak": mib + 4,
+                           "ours_tensor_peak": mib + 12})
         return {"kind": "tiled", "op": "tiled_mlp", "seq_len": 2048, "result": result}
 
     # time ratios 0.80, 0.90, 0.85 (median 0.85); noise 1.05 and 0.97 against DeepSpeed: ±5%
@@ -168,6 +186,7 @@ def test_tiled_table_judges_the_median_ratio_against_the_noise_arm():
     assert "| 3 x 4 |" in row and "**0.85 [0.80-0.90]**" in row and "±5.0%" in row
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[8] == "met" and cells[11] == "**1.100 [1.100-1.100]**" and cells[13] == "missed by +10.0%"
+    assert cells[14:19] == ["1", "1.00 [1.00-1.00]", "**+12 [+12-+12]**", "4", "missed by +12 B"]
 
 
 def test_tiled_ops_picks_the_operations_a_tiled_suite_launches(tmp_path, monkeypatch):
