@@ -278,7 +278,7 @@ def format_tiled(records: list[dict]) -> str:
 
 
 def _tensor_cells(results: list[dict]) -> list[str]:
-    """The tensor-peak cells of a row: ours - DeepSpeed in bytes per process (median [min-max]), the noise
+    """The tensor-peak cells of a row: ours - DeepSpeed in bytes per process (median [min, max]), the noise
     arm's largest distance from DeepSpeed, and the verdict on the median against it."""
     if not results:
         return ["0", "-", "-", "-", "-"]
@@ -288,7 +288,7 @@ def _tensor_cells(results: list[dict]) -> list[str]:
     verdict = ("met" if diff + noise <= 0 else f"missed by +{diff:g} B" if diff - noise > 0
                else "undecided (within noise)")
     return [str(len(results)), _spread([res["deepspeed_tensor_peak"] for res in results], 2**20, 2),
-            f"**{statistics.median(diffs):+g} [{min(diffs):+g}-{max(diffs):+g}]**", f"{noise:g}", verdict]
+            f"**{diff:+g} [{min(diffs):+g}, {max(diffs):+g}]**", f"{noise:g}", verdict]
 
 
 if __name__ == "__main__":  # a quick look without the launcher: python -m benchmarks.tiled OP SEQ ITERS

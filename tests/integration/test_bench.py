@@ -186,7 +186,7 @@ def test_tiled_table_judges_the_median_ratio_against_the_noise_arm():
     assert "| 3 x 4 |" in row and "**0.85 [0.80-0.90]**" in row and "±5.0%" in row
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[8] == "met" and cells[11] == "**1.100 [1.100-1.100]**" and cells[13] == "missed by +10.0%"
-    assert cells[14:19] == ["1", "1.00 [1.00-1.00]", "**+12 [+12-+12]**", "4", "missed by +12 B"]
+    assert cells[14:19] == ["1", "1.00 [1.00-1.00]", "**+12 [+12, +12]**", "4", "missed by +12 B"]
 
 
 def test_tiled_ops_picks_the_operations_a_tiled_suite_launches(tmp_path, monkeypatch):
