@@ -22,6 +22,7 @@ import functools
 import sys
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from .tiles import zero3_whole_at_accumulation
@@ -81,7 +82,7 @@ class TileGrads:
         if not out.requires_grad:
             return
         wants_tile = tile is not None and tile.requires_grad
-        others = [leaf for leaf in _leaves(out) if id(leaf) not in self._declared_ids and leaf is not tile]
+        others = [leaf for leaf in _leaves(out, self.who) if id(leaf) not in self._declared_ids and leaf is not tile]
         for leaf in others:
             if id(leaf) not in self.undeclared:
                 self._check_undeclared(leaf)
@@ -154,6 +155,9 @@ class TileGrads:
                 "gradient must reach the hook once, after all its uses, which only a declared parameter's does: "
                 "add it to compute_params, or pass compute_params=None to declare every trainable parameter "
                 "of the module")
+
+
+_REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction._backward_cls
 
 
 @functools.lru_cache(maxsize=None)
@@ -248,9 +252,11 @@ def _sole_holder_counts():
     return tuple(counts)
 
 
-def _leaves(out):
+def _leaves(out, who):
     """The tensors requiring grad that `out`'s autograd graph accumulates into (its AccumulateGrad nodes);
-    `out` itself when it is one (fn returned a leaf)."""
+    `out` itself when it is one (fn returned a leaf). A reentrant checkpoint in the graph is refused:
+    the parameters it uses are not in the graph (its backward recomputes them into a graph of its own
+    and runs a plain backward on it, which torch refuses under ``autograd.grad``)."""
     root = out.grad_fn
     if root is None:
         return [out]
@@ -261,6 +267,12 @@ def _leaves(out):
         if leaf is not None:
             leaves.append(leaf)
             continue
+        if isinstance(node, _REENTRANT_CHECKPOINT):
+            raise ValueError(
+                f"{who}: fn runs torch.utils.checkpoint with use_reentrant=True, whose backward is a plain "
+                "backward of its own that the tiles cannot take each parameter's gradient from (torch refuses it "
+                "inside torch.autograd.grad); pass use_reentrant=False to the checkpoint inside fn (exact), or "
+                "checkpoint around the tiled call instead (as gradient checkpointing of the decoder layer does)")
         for child, _ in node.next_functions:
             if child is not None and child not in seen:
                 seen.add(child)

@@ -5,8 +5,12 @@ test_tiled_loss.py, tests/integration/test_tiled_zero.py.)"""
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from ds_ulysses.memory import TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
 from ds_ulysses.memory.tile_grads import TileGrads
+
+from .helpers import TOL, GatedMLP, assert_close, grads_of, mean_ce, mlp_fn
 
 
 def test_gradient_sums_never_write_into_tensors_autograd_handed_out():
@@ -179,3 +183,44 @@ def test_a_parameter_gradient_is_summed_as_soon_as_autograd_has_it():
     assert seen == [True, True]
     got = grads.declared_grads()
     assert torch.equal(got[0], torch.full((4,), 6.0)) and torch.equal(got[1], torch.full((4,), 4.0))
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # the forward's no-grad tiles
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("name", ["TiledMLP", "sequence_tiled_compute", "TiledFusedLogitsLoss"])
+def test_checkpointing_inside_fn_is_exact_non_reentrant_and_refused_by_name_reentrant(name, reentrant):
+    """A reentrant checkpoint's parameters are not in the tile's graph (its backward is a plain backward of
+    its own): refused before any gradient is written. Non-reentrant checkpointing is in the graph: exact."""
+    torch.manual_seed(0)
+    mlp, head = GatedMLP(), nn.Linear(16, 11)
+    x = torch.randn(2, 7, 16, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 7))
+    w = torch.randn(2, 7, 16)
+
+    def checkpointed(fn):
+        return lambda *args: checkpoint(fn, *args, use_reentrant=reentrant)
+
+    if name == "TiledFusedLogitsLoss":
+        inputs = [x, *head.parameters()]
+        want = grads_of(mean_ce(head, x.reshape(-1, 16), labels.reshape(-1)), inputs)  # the tiles are [n_t, h]
+
+        def loss():
+            return TiledFusedLogitsLoss.apply(checkpointed(mean_ce), head, x, labels, None, 3, None, "mean")
+    else:
+        inputs = [x, *mlp.parameters()]
+        want = grads_of((mlp(x) * w).sum(), inputs)
+        per_tile = checkpointed(mlp_fn)
+
+        def loss():
+            if name == "TiledMLP":
+                return (TiledMLP.apply(per_tile, mlp, x, 3, None) * w).sum()
+            return (sequence_tiled_compute(lambda hidden: per_tile(mlp, hidden), 7, 3, {"hidden": x}, {}, "hidden",
+                                           list(mlp.parameters()), 1, None) * w).sum()
+
+    if reentrant:
+        with pytest.raises(ValueError, match=f"{name}: fn runs torch.utils.checkpoint with use_reentrant=True.*"
+                                             "pass use_reentrant=False"):
+            loss().backward()
+        assert all(t.grad is None for t in inputs)
+    else:
+        assert_close(grads_of(loss(), inputs), want, "grad", TOL)
