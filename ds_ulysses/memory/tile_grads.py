@@ -255,8 +255,8 @@ def _sole_holder_counts():
 def _leaves(out, who):
     """The tensors requiring grad that `out`'s autograd graph accumulates into (its AccumulateGrad nodes);
     `out` itself when it is one (fn returned a leaf). A reentrant checkpoint in the graph is refused:
-    the parameters it uses are not in the graph (its backward recomputes them into a graph of its own
-    and runs a plain backward on it, which torch refuses under ``autograd.grad``)."""
+    the parameters it uses are not in the graph (its backward recomputes its segment into a graph of
+    its own and runs a plain backward on that, which torch refuses under ``autograd.grad``)."""
     root = out.grad_fn
     if root is None:
         return [out]
