@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..constants import IGNORE_INDEX
 from ..distributed.watch import GroupWatch
-from ..memory.fused_ce import fusable_head, linear_cross_entropy_sum
+from ..memory.fused_ce import TileBuffers, fusable_head, linear_cross_entropy_sum
 from ..memory.tiled_loss import TiledFusedLogitsLoss
 from ..memory.tiles import resolve_loss_shards, zero3_whole
 from ..patching import PATCHES
@@ -65,9 +65,9 @@ class TiledCausalLMLoss:
         if tiles == 1:
             local_sum = _token_ce_sum(transform, head, hidden.flatten(0, -2), labels.flatten())  # [n h], [n]
         else:
-            tile_sum = _fused_token_ce_sum if fusable_head(head) else _token_ce_sum
-            local_sum = TiledFusedLogitsLoss.apply(functools.partial(tile_sum, transform), head, hidden, labels,
-                                                   None, tiles, None, "sum")
+            tile_sum = (functools.partial(_fused_token_ce_sum, transform, TileBuffers()) if fusable_head(head)
+                        else functools.partial(_token_ce_sum, transform))
+            local_sum = TiledFusedLogitsLoss.apply(tile_sum, head, hidden, labels, None, tiles, None, "sum")
         counts = TokenCounts(int((labels != IGNORE_INDEX).sum()), int(bad), group, grad_scale, vocab, self.watch)
         return CausalLMOutputWithPast(loss=GlobalTokenMean.apply(local_sum.reshape(()), counts))
 
@@ -80,11 +80,12 @@ def _token_ce_sum(transform, head, x, y):
     return F.cross_entropy(logits.float(), y, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _fused_token_ce_sum(transform, head, x, y):
-    """:func:`_token_ce_sum` for a plain linear head, in one ``[n_t V]`` buffer (see
-    :mod:`ds_ulysses.memory.fused_ce`); inside the tiled loss, which keeps the head's weight whole."""
+def _fused_token_ce_sum(transform, buffers, head, x, y):
+    """:func:`_token_ce_sum` for a plain linear head, in one ``[n_t V]`` buffer that the tiles share
+    (`buffers`, see :mod:`ds_ulysses.memory.fused_ce`); inside the tiled loss, which keeps the head's
+    weight whole and runs each tile's backward before the next tile."""
     scale, softcap = (1.0, None) if transform is None else (transform.scale, transform.softcap)
-    return linear_cross_entropy_sum(x, head.weight, head.bias, y, scale, softcap, IGNORE_INDEX)
+    return linear_cross_entropy_sum(x, head.weight, head.bias, y, scale, softcap, IGNORE_INDEX, buffers)
 
 
 def tiled_causal_lm_loss(shards="auto", watch: GroupWatch | None = None) -> TiledCausalLMLoss:

@@ -120,3 +120,46 @@ def test_fusable_head_is_a_plain_linear_without_foreign_hooks():
         assert not fusable_head(nn.Linear(4, 6))
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale,softcap", [(1.0, None), (2.5, 30.0)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_tiles_sharing_buffers_get_the_bits_of_fresh_ones_and_reuse_them_once_each_backward_ran(dtype, scale,
+                                                                                                 softcap, bias):
+    """Three tiles (the last shorter), each backpropagated before the next, as the tiled loss runs them."""
+    x, w, b, y = leaves(dtype, bias)
+    params = [t for t in (x, w, b) if t is not None]
+    bounds = [(0, 13), (13, 26), (26, N)]
+
+    def tiles(buffers):
+        out, pointers = [], []
+        for start, stop in bounds:
+            loss = linear_cross_entropy_sum(x[start:stop], w, b, y[start:stop], scale, softcap, buffers=buffers)
+            out.append((loss.detach(), torch.autograd.grad(loss, params)))
+            pointers.append({buf.data_ptr() for buf in (buffers._buffers.values() if buffers else ())})
+        return out, pointers
+
+    fresh, _ = tiles(None)
+    buffers = fused_ce.TileBuffers()
+    shared, pointers = tiles(buffers)
+    for (want, want_grads), (got, got_grads) in zip(fresh, shared):
+        assert torch.equal(got, want) and all(torch.equal(g, r) for g, r in zip(got_grads, want_grads))
+    assert pointers[0] == pointers[1] == pointers[2]  # the first tile's buffers, lent to every tile
+    assert len(pointers[0]) == (1 if dtype == torch.float32 else 2)  # a bf16 head's logits and their fp32 copy
+
+
+def test_a_buffer_a_live_graph_still_holds_is_not_lent_again():
+    """Two tiles' forwards before either backward: the second gets a buffer of its own, both exact."""
+    x, w, b, y = leaves(torch.float32, True)
+    params = [x, w, b]
+    buffers = fused_ce.TileBuffers()
+    first = linear_cross_entropy_sum(x[:20], w, b, y[:20], buffers=buffers)
+    held = buffers._buffers[torch.float32].data_ptr()
+    second = linear_cross_entropy_sum(x[20:], w, b, y[20:], buffers=buffers)
+    assert buffers._buffers[torch.float32].data_ptr() != held
+    got = torch.autograd.grad(first + 2 * second, params)
+    want = torch.autograd.grad(reference(x[:20], w, b, y[:20], 1.0, None) + 2 * reference(x[20:], w, b, y[20:], 1.0,
+                                                                                           None), params)
+    for g, r in zip(got, want):
+        assert rel(g, r) <= TOL
