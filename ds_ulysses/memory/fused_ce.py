@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..constants import IGNORE_INDEX
-from .tiles import one_grad_per_input
+from .tiles import one_grad_per_input, storage_holders
 
 __all__ = ["LinearCrossEntropySum", "linear_cross_entropy_sum", "fusable_head", "TileBuffers"]
 
@@ -68,18 +68,14 @@ class TileBuffers:
 def _unheld(tensor):
     """Whether nothing but `tensor` itself holds its memory (no view of it lives); False where this torch
     cannot count."""
-    return hasattr(torch._C, "_storage_Use_Count") and _storage_holders(tensor) == _sole_storage_holders()
-
-
-def _storage_holders(tensor):
-    """How many tensors, and torch's own references, hold `tensor`'s memory."""
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+    holders = storage_holders(tensor)
+    return holders is not None and holders == _sole_storage_holders()
 
 
 @functools.lru_cache(maxsize=None)
 def _sole_storage_holders():
-    """:func:`_storage_holders` of a tensor nothing else holds, taken through the same code."""
-    return _storage_holders(torch.empty(1))
+    """:func:`storage_holders` of a tensor nothing else holds, taken through the same code."""
+    return storage_holders(torch.empty(1))
 
 
 def linear_cross_entropy_sum(x, weight, bias, y, scale=1.0, softcap=None, ignore_index=IGNORE_INDEX, buffers=None):

@@ -25,7 +25,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from .tiles import zero3_whole_at_accumulation
+from .tiles import storage_holders, zero3_whole_at_accumulation
 
 __all__ = ["TileGrads"]
 
@@ -232,8 +232,7 @@ class _Sum:
 
     def _holders(self):
         total = self.total
-        counts = (sys.getrefcount(total), total._use_count(),
-                  torch._C._storage_Use_Count(total.untyped_storage()._cdata))
+        counts = (sys.getrefcount(total), total._use_count(), storage_holders(total))
         base = total._base
         return counts if base is None else counts + (sys.getrefcount(base), base._use_count())
 

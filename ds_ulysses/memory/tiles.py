@@ -26,7 +26,7 @@ from ..distributed.collectives import all_reduce_max
 
 __all__ = ["DEFAULT_LOGITS_BUDGET_BYTES", "auto_mlp_shards", "auto_loss_shards", "resolve_loss_shards",
            "agree_on_shards", "weight_rows", "seq_tile", "tile_bounds", "trainable_params", "zero3_whole",
-           "zero3_whole_at_accumulation", "one_grad_per_input", "positive_int"]
+           "zero3_whole_at_accumulation", "one_grad_per_input", "positive_int", "storage_holders"]
 
 # 128 MiB of logits per tile (2**25 fp32 values): 1024 tokens at a 32K vocab, 256 at 128K, still a
 # large matmul on a GPU, while the tile's logits, log-softmax and grad stay small beside the activations
@@ -199,3 +199,11 @@ def positive_int(value, name):
     if isinstance(value, bool) or not hasattr(value, "__index__") or operator.index(value) < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}; pass e.g. {name}=4")
     return operator.index(value)
+
+
+def storage_holders(tensor):
+    """How many tensors (views included), and torch's own references, hold `tensor`'s memory; None where
+    this torch cannot count."""
+    if not hasattr(torch._C, "_storage_Use_Count"):
+        return None
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
