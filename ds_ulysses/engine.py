@@ -3,13 +3,14 @@
 :func:`initialize` is ``deepspeed.initialize`` plus the wiring users otherwise do by hand (and get
 wrong: DeepSpeed #7458, #7672, #7695): the ``(dp, sp)`` mesh is built and handed to DeepSpeed as its
 ``mpu`` (so ZeRO reduces gradients over SP peers too, DeepSpeed #6868), the model gets the SP
-attention, the SP loss, and the section's tiling and offload switches, and the training data comes
-back already wrapped by the SP adapter. :func:`install` makes a plain ``deepspeed.initialize`` (as
-HF Trainer, Accelerate and existing scripts call it) do the same when the config has the section, and
-makes Accelerate's and the Trainer's own SP path (``parallelism_config``) run this package
-(:mod:`ds_ulysses.hf.trainer`): the two switches are one. Under SP, every forward checks that each
-rank's input is its shard of the group's sample (:mod:`ds_ulysses.sp.shards`): a loader that was
-never wrapped fails on every rank instead of training plain data parallelism.
+attention, the SP loss, and the section's tiling and offload switches, the training data comes back
+already wrapped by the SP adapter, and each ``engine.step()`` gives the host heap's free pages back to
+the OS (``trim_host_heap``, :mod:`ds_ulysses.memory.host`). :func:`install` makes a plain
+``deepspeed.initialize`` (as HF Trainer, Accelerate and existing scripts call it) do the same when the
+config has the section, and makes Accelerate's and the Trainer's own SP path (``parallelism_config``)
+run this package (:mod:`ds_ulysses.hf.trainer`): the two switches are one. Under SP, every forward
+checks that each rank's input is its shard of the group's sample (:mod:`ds_ulysses.sp.shards`): a
+loader that was never wrapped fails on every rank instead of training plain data parallelism.
 
 Failure handling: every rank checks that all ranks hold the same section and model layout before
 any SP group exists (a rank with another sp would build other groups and hang the rest);
@@ -38,6 +39,7 @@ from .hf.loss import enable_sp_loss, tiled_causal_lm_loss
 from .hf.model_facts import layout_facts, vocab_size
 from .hf.register import UlyssesSPAttentionHF, register_with_transformers, sp_attention_of
 from .hf.trainer import install_accelerate
+from .memory.host import trim_host_heap
 from .memory.mlp_tiling import tile_mlps
 from .patching import PATCHES
 from .sp.data import UlyssesSPDataLoaderAdapter
@@ -170,6 +172,21 @@ def _watch_engine(engine, watch: GroupWatch) -> None:
         setattr(engine, name, watched)
 
 
+def _trim_after_step(engine) -> None:
+    """Give the host heap's free pages back to the OS after each ``engine.step()``
+    (``trim_host_heap``, :mod:`ds_ulysses.memory.host`): the step's freed activations then do not stay
+    resident under the next step's peak."""
+    step = engine.step
+
+    @functools.wraps(step)
+    def step_then_trim(*args, **kwargs):
+        out = step(*args, **kwargs)
+        trim_host_heap()
+        return out
+
+    engine.step = step_then_trim
+
+
 def initialize(model=None, config=None, mesh_param=None, model_parameters=None, training_data=None,
                args=None, collate_fn=None, **deepspeed_kwargs):
     """``deepspeed.initialize`` with SP set up from the config's ``"ulysses"`` section.
@@ -217,6 +234,8 @@ def initialize(model=None, config=None, mesh_param=None, model_parameters=None, 
     engine, optimizer, _, scheduler = ds_initialize(
         args=args, model=model, model_parameters=model_parameters, config=ds_config, mpu=mesh, **deepspeed_kwargs)
     _watch_engine(engine, mesh.sp_watch)
+    if section.trim_host_heap:
+        _trim_after_step(engine)
     loader = None
     if training_data is not None:
         loader = _sp_loader(training_data, mesh, section, micro, collate_fn, vocab_size(model))

@@ -142,6 +142,9 @@ class UlyssesConfig(_Section):
     activation_checkpoint_offload: ActivationCheckpointOffloadConfig = field(
         default_factory=ActivationCheckpointOffloadConfig)
     """ALST activation-checkpoint offload settings."""
+    trim_host_heap: bool = True
+    """Give the C heap's free pages back to the OS after each engine.step() (:mod:`ds_ulysses.memory.host`):
+    a step's freed activations otherwise stay resident under the next step's peak RSS."""
     comm_timeout_seconds: float = 600
     """Timeout of the SP groups' collectives, so a dead peer fails the job instead of hanging it."""
 

@@ -13,7 +13,7 @@ from ds_ulysses.engine import _sp_loader, loss_grad_scale
 from ds_ulysses.distributed.mesh import Mesh
 
 from tests.support.distributed import run_distributed
-from tests.support.engine_cases import ds_config, engine_vs_reference, not_sp_inputs
+from tests.support.engine_cases import ds_config, engine_vs_reference, not_sp_inputs, trims_per_step
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +41,12 @@ def test_install_makes_plain_deepspeed_initialize_honour_the_section():
 @pytest.mark.parametrize("stage,zero", [(0, {}), (1, {}), (2, {}), (3, {"reduce_scatter": False})])
 def test_every_zero_stage_gives_non_sp_gradients(stage, zero):
     _check(run_distributed(engine_vs_reference, 2, ds_config(stage, **zero), timeout=600), 1, 2)
+
+
+@pytest.mark.parametrize("switch,trims", [(None, 2), (True, 2), (False, 0)])
+def test_host_heap_is_given_back_after_each_step_unless_switched_off(switch, trims):
+    cfg = ds_config(3, offload=True, extra_section={} if switch is None else {"trim_host_heap": switch})
+    assert run_distributed(trims_per_step, 2, cfg, timeout=600) == [trims, trims]
 
 
 def test_mesh_param_argument_overrides_section():

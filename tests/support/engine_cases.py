@@ -105,3 +105,32 @@ def not_sp_inputs(rank: int, world_size: int) -> dict:
     forward("not_a_shard", own)
     forward("misaligned", first if rank == 0 else next(adapter))  # rank 1 runs the refill's next micro-batch
     return errors
+
+
+def trims_per_step(rank: int, world_size: int, config: dict, steps: int = 2) -> int:
+    """How many times the engine gave the host heap back during ``steps`` training steps (the real
+    trim runs; the count wraps it)."""
+    from ds_ulysses import engine as engine_mod
+
+    import ds_ulysses
+
+    calls = []
+    real = engine_mod.trim_host_heap
+
+    def counted():
+        calls.append(1)
+        return real()
+
+    engine_mod.trim_host_heap = counted
+    try:
+        model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))
+        engine, _, loader, _ = ds_ulysses.initialize(model=model, config=config, training_data=dataset(4, 24))
+        batches = iter(loader)
+        for _ in range(steps):
+            engine.backward(engine(**next(batches)).loss)
+            before = len(calls)
+            engine.step()
+            assert len(calls) in (before, before + 1)
+    finally:
+        engine_mod.trim_host_heap = real
+    return len(calls)
