@@ -192,6 +192,14 @@ def test_the_script_entry_destroys_its_process_groups(tmp_path, tiny_model_dir):
         assert code == 0 and not initialized
 
 
+def _remove_deepspeed_shm_buffers(port: str) -> None:
+    """DeepSpeed's CPU all-reduce maps one 66 MiB shared-memory file per rank when its launcher says all
+    ranks are local (LOCAL_SIZE) and never unlinks it: a test run would leave them in /dev/shm, where
+    they add up to gigabytes of RAM over many runs."""
+    for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        leftover.unlink(missing_ok=True)
+
+
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
 def test_launchers_run_the_script(tmp_path, launcher):
     port = str(free_port())
@@ -203,7 +211,10 @@ def test_launchers_run_the_script(tmp_path, launcher):
             "--steps", "2", "--save-every", "2", "--buckets", "64", "--out", str(tmp_path)]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    try:
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    finally:
+        _remove_deepspeed_shm_buffers(port)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step 2/2 [####################] loss " in proc.stdout
     assert "RSS GB r0 " in proc.stdout and " r1 " in proc.stdout
