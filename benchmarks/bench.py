@@ -343,6 +343,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead of a fixed S, search the longest S whose step fits BUDGET of RSS per rank "
                              "(e.g. 4G) for each --impl / --variant")
     parser.add_argument("--max-seq-step", default="1K", help="granularity of the --max-seq search")
+    parser.add_argument("--max-seq-steps", type=int, default=3, metavar="N",
+                        help="training steps per --max-seq probe (its peak is the largest over all of them)")
 
 
 def parse_bytes(text: str) -> int:
@@ -385,6 +387,8 @@ def run_command(args: argparse.Namespace) -> int:
         for name, section in variants.items():
             UlyssesConfig.from_dict({"sequence_parallel_size": 1, **section})
         budget = parse_bytes(args.max_seq) if args.max_seq else None
+        if args.max_seq_steps < 1:
+            raise ValueError(f"--max-seq-steps must be 1 or more (training steps per probe), got {args.max_seq_steps}")
         if args.cycles < 1:
             raise ValueError(f"--cycles must be 1 or more (measured refill cycles per launch), got {args.cycles}")
         granularity = parse_size(args.max_seq_step)
@@ -397,7 +401,8 @@ def run_command(args: argparse.Namespace) -> int:
     elif budget is not None:
         from .maxseq import format_maxseq, run_maxseq
 
-        records = run_maxseq(budget, args.sp, args.impl, variants, out, model, granularity, args.timeout)
+        records = run_maxseq(budget, args.sp, args.impl, variants, out, model, granularity, args.timeout,
+                             args.max_seq_steps)
         print(format_maxseq(records))
     elif args.tiled_iters > 0:
         from .tiled import format_tiled, run_tiled_suite

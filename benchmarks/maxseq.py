@@ -2,9 +2,11 @@
 
 For each arm (DeepSpeed's tutorial recipe, DeepSpeed with every ALST tool as ArcticTraining sets
 it up, our defaults, any ``ours[variant]``), at the same sp and on the same model, a *probe* is one
-fresh launch (:func:`benchmarks.bench.launch`) of one whole training step at length S: it fits when
-every rank's RSS high-water mark (setup included) stays within the budget. A probe is stopped the
-moment a rank passes the budget, so a length that does not fit costs only the time to get there.
+fresh launch (:func:`benchmarks.bench.launch`) of ``steps`` whole training steps at length S (3 by
+default: a training run's RSS keeps growing after its first step, as the allocator keeps what a step
+freed, so one step would flatter every recipe): it fits when every rank's RSS high-water mark (setup
+included) stays within the budget. A probe is stopped the moment a rank passes the budget, so a
+length that does not fit costs only the time to get there.
 
 The search keeps the longest length that fitted (``lo``) and the shortest that did not (``hi``) and
 probes the length a straight line through the two longest fitting probes predicts for the budget
@@ -66,8 +68,9 @@ def search(probe, budget: int, granularity: int, start: int = START, max_probes:
 
 
 def run_maxseq(budget: int, sps, impls, variants: dict, out: Path, model: dict | None = None, granularity: int = 1024,
-               timeout: float = 1800.0, log=print) -> list[dict]:
-    """Search every arm at every sp; one record per arm appended to ``out``."""
+               timeout: float = 1800.0, steps: int = 3, log=print) -> list[dict]:
+    """Search every arm at every sp, each probe ``steps`` training steps; one record per arm appended to
+    ``out``."""
     from .bench import OverBudget, _workdir, arms, launch
 
     records = []
@@ -75,10 +78,10 @@ def run_maxseq(budget: int, sps, impls, variants: dict, out: Path, model: dict |
     for sp in sps:
         step = math.lcm(granularity, sp)
         for name, impl, variant, section in arms(impls, variants, noise=False):
-            log(f"{name} sp={sp}: searching the longest S within {budget / GIB:.2f} GiB per rank")
+            log(f"{name} sp={sp}: searching the longest S within {budget / GIB:.2f} GiB per rank over {steps} steps")
 
             def probe(seq_len, impl=impl, section=section):
-                spec = {"impl": impl, "seq_len": seq_len, "sp": sp, "steps": 1, "warmup": 0, "packed_docs": 0,
+                spec = {"impl": impl, "seq_len": seq_len, "sp": sp, "steps": steps, "warmup": 0, "packed_docs": 0,
                         "model": model or {}, "section": section, "profile": False}
                 try:
                     ranks = launch(spec, sp, _workdir(), timeout, rss_limit=budget)
@@ -90,7 +93,7 @@ def run_maxseq(budget: int, sps, impls, variants: dict, out: Path, model: dict |
             begin = time.monotonic()
             found = search(probe, budget, step, log=log)
             record = {"kind": "maxseq", "name": name, "impl": impl, "variant": variant, "section": section, "sp": sp,
-                      "budget": budget, "granularity": step, "model": model or {}, **found,
+                      "budget": budget, "granularity": step, "probe_steps": steps, "model": model or {}, **found,
                       "seconds": time.monotonic() - begin, "date": time.strftime("%Y-%m-%d %H:%M")}
             with open(out, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -101,17 +104,18 @@ def run_maxseq(budget: int, sps, impls, variants: dict, out: Path, model: dict |
 
 
 def format_maxseq(records: list[dict]) -> str:
-    """One row per (budget, sp, arm): the longest S, the next length measured not to fit, ratios to
-    DeepSpeed's tutorial recipe and to DeepSpeed with every ALST tool."""
+    """One row per (budget, sp, steps per probe, arm): the longest S, the next length measured not to fit,
+    ratios to DeepSpeed's tutorial recipe and to DeepSpeed with every ALST tool searched the same way."""
     from .report import _k, _table
 
     latest = {}
     for rec in records:
-        latest[(rec["budget"], rec["sp"], json.dumps(rec.get("model", {}), sort_keys=True), rec["name"])] = rec
+        key = (rec["budget"], rec["sp"], rec.get("probe_steps", 1), json.dumps(rec.get("model", {}), sort_keys=True))
+        latest[(*key, rec["name"])] = rec
     rows = []
-    for (budget, sp, model, name), rec in sorted(latest.items()):
-        base = latest.get((budget, sp, model, "deepspeed"))
-        alst = latest.get((budget, sp, model, "deepspeed-alst"))
+    for (budget, sp, steps, model, name), rec in sorted(latest.items()):
+        base = latest.get((budget, sp, steps, model, "deepspeed"))
+        alst = latest.get((budget, sp, steps, model, "deepspeed-alst"))
 
         def ratio(other):
             if other is None or not other["max_seq"]:
@@ -119,10 +123,10 @@ def format_maxseq(records: list[dict]) -> str:
             return f"**{rec['max_seq'] / other['max_seq']:.2f}**"
 
         probes = ", ".join(f"{_k(s)}{'' if p is not None else '✗'}" for s, p in rec["probes"])
-        rows.append([f"{budget / GIB:.2f}", sp, name, _k(rec["max_seq"]) if rec["max_seq"] else "none",
+        rows.append([f"{budget / GIB:.2f}", sp, steps, name, _k(rec["max_seq"]) if rec["max_seq"] else "none",
                      _k(rec["next_failed"]) if rec["next_failed"] else "-", ratio(base), ratio(alst), probes,
                      f"{rec['seconds'] / 60:.1f}"])
-    return _table(["budget GiB/rank", "sp", "arm", "longest S that fits", "next S (over budget)",
+    return _table(["budget GiB/rank", "sp", "steps per probe", "arm", "longest S that fits", "next S (over budget)",
                    "vs DeepSpeed tutorial", "vs DeepSpeed + ALST tools", "probes (✗: over budget)", "minutes"], rows)
 
 

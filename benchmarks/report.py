@@ -205,24 +205,38 @@ def _profile_cells(p: dict) -> list[str]:
     return cells
 
 
-def format_profile(summary: dict) -> str:
-    """Seconds per step and phase of the profiled step (mean over ranks and profiled launches) beside the
-    measured step of those launches, and per (S, sp) the difference ours-dropin - deepspeed: what the
-    mechanism spends that DeepSpeed does not."""
+def format_profile(records: list[dict]) -> str:
+    """Seconds per step and phase of the profiled step (mean over ranks and the run's profiled launches)
+    beside the measured step of those launches, one row per arm and run, and per (S, sp, run) the
+    difference ours-dropin - deepspeed: what the mechanism spends that DeepSpeed does not. Arms are only
+    set side by side within a run: between runs the machine moves identical work by a third."""
+    groups: dict = {}
+    for rec in records:
+        if "error" in rec or rec.get("kind", "step") != "step":
+            continue
+        profiles = [r["profile"] for r in rec["ranks"] if "profile" in r]
+        if profiles:
+            key = (model_key(rec.get("model")), rec.get("packed_docs", 0), rec["sp"], rec["seq_len"],
+                   rec.get("run") or "-")
+            groups.setdefault(key, {}).setdefault(rec["name"], []).append((profiles, launch_time(rec)))
+
+    def pooled(launches):
+        profiles = [p for ps, _ in launches for p in ps]
+        return ({k: statistics.mean(p[k] for p in profiles) for k in profiles[0]},
+                statistics.median(t for _, t in launches))
+
     rows = []
-    keys = sorted((k for k, v in summary.items() if v["profile"]), key=lambda k: (k[4], k[3], k[2], k[1], k[0]))
-    for key in keys:
-        name, s, sp, packed, model = key
-        p = summary[key]["profile"]
-        rows.append([name, _k(s), sp, packed or "-", model or "default", *_profile_cells(p), f"{p['total']:.2f}",
-                     f"{summary[key]['profiled_time']:.2f}"])
-        ds = summary.get(("deepspeed", s, sp, packed, model))
-        if name == "ours-dropin" and ds and ds["profile"]:
-            diff = {k: p[k] - ds["profile"][k] for k in p}
-            rows.append(["*ours-dropin - deepspeed*", _k(s), sp, packed or "-", model or "default",
-                         *(f"*{c}*" for c in _profile_cells(diff)), f"*{diff['total']:+.2f}*",
-                         f"*{summary[key]['profiled_time'] - ds['profiled_time']:+.2f}*"])
-    return _table(["arm", "S", "sp", "docs", "model", *(h for h, _ in PROFILE_COLUMNS), "profiled step s",
+    for (model, packed, sp, s, run), arms in sorted(groups.items()):
+        config = [_k(s), sp, packed or "-", model or "default", run]
+        for name in sorted(arms):
+            p, t = pooled(arms[name])
+            rows.append([name, *config, *_profile_cells(p), f"{p['total']:.2f}", f"{t:.2f}"])
+        if "ours-dropin" in arms and "deepspeed" in arms:
+            (p, t), (ds, ds_t) = pooled(arms["ours-dropin"]), pooled(arms["deepspeed"])
+            diff = {k: p[k] - ds[k] for k in p}
+            rows.append(["*ours-dropin - deepspeed*", *config, *(f"*{c}*" for c in _profile_cells(diff)),
+                         f"*{diff['total']:+.2f}*", f"*{t - ds_t:+.2f}*"])
+    return _table(["arm", "S", "sp", "docs", "model", "run", *(h for h, _ in PROFILE_COLUMNS), "profiled step s",
                    "measured s/step"], rows)
 
 
@@ -242,7 +256,7 @@ def format_noise(records: list[dict]) -> str:
 
 def format_group(records: list[dict]) -> str:
     """What ``bench`` prints after each (S, sp): the ratios and the profile of those launches."""
-    return "\n" + format_ratios(records) + "\n\n" + format_profile(summarize(records)) + "\n"
+    return "\n" + format_ratios(records) + "\n\n" + format_profile(records) + "\n"
 
 
 def format_run(records: list[dict]) -> str:
@@ -250,7 +264,7 @@ def format_run(records: list[dict]) -> str:
     summary = summarize(records)
     return "\n\n".join(["## Noise (DeepSpeed against itself)", format_noise(records),
                         "## Ratios", format_ratios(records),
-                        "## Seconds per phase (one profiled step)", format_profile(summary),
+                        "## Seconds per phase (one profiled step)", format_profile(records),
                         "## Every measurement", format_summary(summary)])
 
 
@@ -382,7 +396,7 @@ def write_report(records: list[dict], out_dir: Path) -> list[Path]:
         "## Noise: DeepSpeed against itself in the same runs", format_noise(ok),
         "## Ratios arm / DeepSpeed (per repetition, median [min-max]; verdicts only beyond the noise)",
         format_ratios(ok),
-        "## Seconds per phase (one profiled step per launch of the first repetition)", format_profile(summary),
+        "## Seconds per phase (one profiled step per launch of the first repetition)", format_profile(ok),
     ]
     if maxseq:
         sections += ["## Longest sequence in a per-rank RSS budget", format_maxseq(maxseq)]

@@ -11,7 +11,7 @@ import torch
 
 from ds_ulysses import cli
 from ds_ulysses.planner import parse_size
-from benchmarks import bench, maxseq, tiled
+from benchmarks import bench, maxseq, report, tiled
 from benchmarks.bench import NOISE_ARM, launch_time, parse_bytes
 from benchmarks.report import ratio_rows, target_verdict, ulysses_min_bytes, verdict
 
@@ -73,6 +73,8 @@ def test_sizes_and_bad_arguments(capsys):
     assert "positive memory budget" in capsys.readouterr().err
     assert cli.main(["bench", "--cycles", "0"]) == 2
     assert "--cycles must be 1 or more" in capsys.readouterr().err
+    assert cli.main(["bench", "--max-seq", "2G", "--max-seq-steps", "0"]) == 2
+    assert "--max-seq-steps must be 1 or more" in capsys.readouterr().err
 
 
 def test_a_launch_counts_its_fastest_refill_cycle_of_the_slowest_ranks_steps():
@@ -211,3 +213,38 @@ def test_tiled_ops_picks_the_operations_a_tiled_suite_launches(tmp_path, monkeyp
     assert [json.loads(line)["op"] for line in out.read_text().splitlines()] == ["stc_mlp"] * 4
     with pytest.raises(SystemExit):
         parse(["--tiled-iters", "2", "--tiled-ops", "attention"])
+
+
+def test_max_seq_table_compares_arms_searched_with_the_same_steps_per_probe():
+    """A one-step search of DeepSpeed (records from before probes ran several steps carry no
+    ``probe_steps``) is not the baseline of a three-step search of ours: each is its own row group."""
+    def rec(name, max_seq, steps=None):
+        r = {"kind": "maxseq", "name": name, "budget": 2 << 30, "sp": 2, "max_seq": max_seq, "next_failed": max_seq + 1024,
+             "probes": [[max_seq, 1 << 30], [max_seq + 1024, None]], "seconds": 60.0}
+        return r if steps is None else {**r, "probe_steps": steps}
+
+    table = maxseq.format_maxseq([rec("deepspeed", 8192), rec("deepspeed", 4096, 3), rec("ours", 16384, 3)])
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    assert [(r[2], r[3], r[4], r[6]) for r in rows] == [
+        ("1", "deepspeed", "8K", "**1.00**"), ("3", "deepspeed", "4K", "**1.00**"), ("3", "ours", "16K", "**4.00**")]
+
+
+def test_profile_sets_arms_side_by_side_only_within_a_run():
+    """DeepSpeed profiled in two runs (one on a slow day) and the drop-in in one: the drop-in's
+    difference row is taken against DeepSpeed of its own run, and each run has its own rows."""
+    phases = ("adapter", "positions", "a2a_fwd", "a2a_bwd", "a2a_collective", "core_fwd", "core_bwd",
+              "layers_fwd", "layers_bwd", "loss_fwd", "loss_bwd", "zero_bwd", "optimizer")
+
+    def rec(name, run, core, step):
+        profile = {**dict.fromkeys(phases, 0.0), "core_fwd": core, "total": core}
+        return {"kind": "step", "name": name, "run": run, "seq_len": 4096, "sp": 2,
+                "ranks": [{"times": [step, step], "profile": profile}]}
+
+    table = report.format_profile([rec("deepspeed", "slow", 9.0, 10.0), rec("deepspeed", "fast", 5.0, 6.0),
+                                   rec("ours-dropin", "fast", 4.0, 5.5)])
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    attention = 9  # arm, S, sp, docs, model, run, adapter, gather, all-to-alls, attention kernel
+    assert [(r[0], r[5], r[attention]) for r in rows] == [
+        ("deepspeed", "fast", "5.000"), ("ours-dropin", "fast", "4.000"),
+        ("*ours-dropin - deepspeed*", "fast", "*-1.000*"), ("deepspeed", "slow", "9.000")]
+    assert rows[2][-2:] == ["*-1.00*", "*-0.50*"]
