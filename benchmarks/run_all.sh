@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces benchmarks/results/ (results.md, *.png, runs.jsonl): about 4 hours on 2 CPU cores (sp 4 runs 4 processes on them).
+# Reproduces benchmarks/results/ (results.md, *.png, runs.jsonl): about 5 hours on 2 CPU cores (sp 4 runs 4 processes on them).
 # Every `bench` call appends its launches to runs.jsonl; the last call rebuilds the report from all of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,11 +20,15 @@ bench --seq-len 16K --sp 2 --reps 3 --cycles 2 --impl deepspeed deepspeed-alst o
 bench --seq-len 32K --sp 2 --reps 3 --cycles 1 --impl deepspeed ours --profile-reps 0
 # 2c. the mechanism path at 32K, with its own noise arm (about 50 minutes)
 bench --seq-len 32K --sp 2 --reps 3 --cycles 1 --impl deepspeed ours-dropin --profile-reps 0
+# 2d. what trim_host_heap is worth: our defaults with and without it, against DeepSpeed's recipe
+bench --seq-len 16K --sp 2 --reps 3 --cycles 2 --impl deepspeed ours --variant notrim='{"trim_host_heap": false}' --no-noise
+bench --seq-len 16K --sp 4 --reps 3 --cycles 1 --impl deepspeed ours --variant notrim='{"trim_host_heap": false}' --no-noise
 # 3. TiledMLP and sequence_tiled_compute against DeepSpeed's at equal shards (one rank's tokens)
 bench --tiled-iters 6 --reps 3 --seq-len 2K 4K
 bench --tiled-iters 6 --reps 6 --seq-len 2K 4K --tiled-ops tiled_mlp stc_mlp  # the MLP rows' 1% needs nine processes
 # 4. the longest sequence whose step fits 2.5 GiB of RSS per rank, three recipes, sp 2
 bench --max-seq 2.5G --sp 2 --impl deepspeed deepspeed-alst ours
+bench --max-seq 2.5G --sp 2 --impl deepspeed --variant notrim='{"trim_host_heap": false}'  # ours without trim_host_heap
 # 5. the memory planner's anchor: DeepSpeed at S=64 (its RSS is the runtime and the model states alone)
 bench --seq-len 64 --sp 2 4 --reps 1 --impl deepspeed --no-noise --no-warm-up --profile-reps 0
 
