@@ -275,14 +275,10 @@ def summarize(records: list[dict]) -> dict:
     for key, recs in groups.items():
         r0 = recs[0]["ranks"][0]
         layers = max(1, r0["attn_forward_calls"])
-        profiles = [r["profile"] for rec in recs for r in rec["ranks"] if "profile" in r]
         out[key] = {
             "time": statistics.median(launch_time(rec) for rec in recs),
             "phases": [statistics.median(p[i] for rec in recs for r in rec["ranks"] for p in r["phases"])
                        for i in range(len(r0["phases"][0]))] if r0["phases"] else [],
-            "profile": {k: statistics.mean(p[k] for p in profiles) for k in profiles[0]} if profiles else None,
-            "profiled_time": statistics.median(launch_time(rec) for rec in recs
-                                               if any("profile" in r for r in rec["ranks"])) if profiles else None,
             "peak": statistics.median(launch_peak(rec) for rec in recs),
             "steps_peak": statistics.median(max(r["steps_peak"] or r["peak"] for r in rec["ranks"]) for rec in recs),
             "launches": len(recs), "steps": sum(len(rec["ranks"][0]["times"]) for rec in recs),

@@ -226,13 +226,13 @@ def format_profile(records: list[dict]) -> str:
                 statistics.median(t for _, t in launches))
 
     rows = []
-    for (model, packed, sp, s, run), arms in sorted(groups.items()):
+    for (model, packed, sp, s, run), launches in sorted(groups.items()):
         config = [_k(s), sp, packed or "-", model or "default", run]
-        for name in sorted(arms):
-            p, t = pooled(arms[name])
+        arms = {name: pooled(launches[name]) for name in sorted(launches)}
+        for name, (p, t) in arms.items():
             rows.append([name, *config, *_profile_cells(p), f"{p['total']:.2f}", f"{t:.2f}"])
         if "ours-dropin" in arms and "deepspeed" in arms:
-            (p, t), (ds, ds_t) = pooled(arms["ours-dropin"]), pooled(arms["deepspeed"])
+            (p, t), (ds, ds_t) = arms["ours-dropin"], arms["deepspeed"]
             diff = {k: p[k] - ds[k] for k in p}
             rows.append(["*ours-dropin - deepspeed*", *config, *(f"*{c}*" for c in _profile_cells(diff)),
                          f"*{diff['total']:+.2f}*", f"*{t - ds_t:+.2f}*"])
