@@ -90,7 +90,7 @@ class SequenceTiledCompute(Function):
         grad_at = ctx.keys.index(ctx.grad_key)
         needs_grad = ctx.needs_input_grad[len(input_names(SequenceTiledCompute.forward)) + grad_at]
         source = args[grad_at].detach()  # [bs, sl, ...]
-        source_grad = torch.zeros_like(source) if needs_grad else None
+        source_grad = torch.empty_like(source) if needs_grad else None
         owners = [ctx.fn, *args[ctx.n_shard:]]
         grads = TileGrads("sequence_tiled_compute", ctx.params, owners)
         with zero3_whole(ctx.params), grads.hooked():

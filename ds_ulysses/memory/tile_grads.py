@@ -73,15 +73,19 @@ class TileGrads:
     def backprop(self, out, grad_out, tile=None, into=None, weight=1.0, keep=True):
         """Backpropagates one tile's `out` given `grad_out`, its gradients times `weight`: the parameter
         gradients are added to the sums (when `keep`), and the gradient of the tile input `tile` (when
-        it requires grad) is written into `into` (the tile's slice of the input's gradient). `weight` (a
-        float) is applied to the gradients, not folded into `grad_out`, so it is not rounded to a bf16
-        `grad_out`'s precision first (213/425 would become 0.5)."""
+        it requires grad) is written into `into` (the tile's slice of the input's gradient), every
+        element of it, zeros where the tile's input got none: so the input's gradient can be allocated
+        uninitialised, and no pass zero-fills it first. `weight` (a float) is applied to the gradients,
+        not folded into `grad_out`, so it is not rounded to a bf16 `grad_out`'s precision first
+        (213/425 would become 0.5)."""
         if self._handles is None:
             raise RuntimeError(f"{self.who}: TileGrads.backprop runs inside `with grads.hooked():`, or the "
                                "parameter gradients would be dropped")
-        if not out.requires_grad:
-            return
         wants_tile = tile is not None and tile.requires_grad
+        if not out.requires_grad:
+            if wants_tile:
+                into.zero_()
+            return
         others = [leaf for leaf in _leaves(out, self.who) if id(leaf) not in self._declared_ids and leaf is not tile]
         for leaf in others:
             if id(leaf) not in self.undeclared:
@@ -94,7 +98,9 @@ class TileGrads:
                                       allow_unused=True)
         finally:
             self._weight = None
-        if wants_tile and got[0] is not None:
+        if wants_tile and got[0] is None:
+            into.zero_()
+        elif wants_tile:
             into.copy_(got[0])
             if weight != 1:
                 into.mul_(weight)

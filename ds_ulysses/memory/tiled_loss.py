@@ -91,7 +91,7 @@ def _tiled_loss(fn, module, x, y, mask, shards, output_reduction, grads=None, ne
     n = y_flat.numel()
     if shards == "auto":
         shards = resolve_loss_shards(shards, n, weight_rows(module))
-    x_grad = torch.zeros_like(x_flat) if grads is not None and needs_x else None  # [n, h]
+    x_grad = torch.empty_like(x_flat) if grads is not None and needs_x else None  # [n, h]
     total = None
     bounds = tile_bounds(n, positive_int(shards, "shards"))
     for start, stop in bounds:

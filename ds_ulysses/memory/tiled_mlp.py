@@ -67,7 +67,7 @@ class TiledMLP(Function):
         shape = x.shape
         x = x.detach().reshape(-1, shape[-1])  # [n, h]
         grad_out = grad_out.reshape(-1, grad_out.shape[-1])  # [n, h_out]
-        x_grad = torch.zeros_like(x) if ctx.needs_input_grad[2] else None
+        x_grad = torch.empty_like(x) if ctx.needs_input_grad[2] else None
         bounds = tile_bounds(x.shape[0], len(ctx.bounds))
         grads = TileGrads("TiledMLP", ctx.params, [ctx.module])
         with zero3_whole(ctx.params), grads.hooked():

@@ -30,15 +30,55 @@ def test_gradient_sums_never_write_into_tensors_autograd_handed_out():
 def test_tile_gradient_is_weighted_and_unused_parameters_get_none():
     p, unused = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(1))
     tile = torch.ones(3, requires_grad=True)
-    x_grad = torch.zeros(2, 3)
+    x_grad = torch.full((2, 3), float("nan"))  # as uninitialised memory may hold: every element is written
     grads = TileGrads("test", [p, unused])
     with grads.hooked():
         grads.backprop((p * tile * 2).sum(), torch.tensor(1.0), tile, x_grad[0], weight=0.25)
-        assert torch.equal(x_grad, torch.tensor([[0.5, 0.5, 0.5], [0.0, 0.0, 0.0]]))
+        assert torch.equal(x_grad[0], torch.full((3,), 0.5))
         grads.backprop(torch.ones(()), torch.tensor(1.0), tile, x_grad[1])  # nothing trainable in that tile
     assert torch.equal(x_grad[1], torch.zeros(3))
     got = grads.declared_grads()
     assert torch.equal(got[0], torch.full((3,), 0.5)) and got[1] is None
+
+
+@pytest.mark.parametrize("uses_input", ["in the first tile only", "never", "never, nothing trainable"])
+@pytest.mark.parametrize("op", ["TiledMLP", "sequence_tiled_compute", "TiledFusedLogitsLoss"])
+def test_the_input_gradient_is_written_everywhere_zeros_where_a_tile_gives_none(monkeypatch, op, uses_input):
+    """The tiled Functions allocate the input's gradient uninitialised (no zero-filling pass) and each
+    tile writes its whole slice: zeros where its output does not depend on its input, or requires no
+    grad at all. Checked against the tiles computed by hand with plain autograd, with every
+    ``torch.empty_like`` filled with NaN as reused memory may be."""
+    torch.manual_seed(0)
+    sl, shards, h = 7, 3, 4  # tiles of 3, 2 and 2 tokens
+    w = nn.Parameter(torch.randn(h))
+    frozen = uses_input == "never, nothing trainable"
+
+    def token_wise(x):  # [.., sl_t, h] -> [.., sl_t, h]
+        if uses_input == "in the first tile only" and x.shape[-2] == 3:
+            return x * w
+        return (w.detach() if frozen else w).expand_as(x) * 1.0
+
+    x0, probe = torch.randn(1, sl, h), torch.randn(1, sl)  # [bs sl h], [bs sl]
+    x = x0.clone().requires_grad_(True)
+    tiles = [token_wise(t) for t in torch.tensor_split(x, shards, dim=1)]
+    want = (torch.cat(tiles, dim=1) * probe[..., None]).sum()
+    want_x_grad = torch.zeros_like(x0)
+    if want.requires_grad:
+        (want_x_grad,) = torch.autograd.grad(want, x, materialize_grads=True)
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(float("nan")))
+    x = x0.clone().requires_grad_(True)
+    if op == "TiledMLP":
+        got = (TiledMLP.apply(lambda module, tile: token_wise(tile), None, x, shards, [w]) * probe[..., None]).sum()
+    elif op == "sequence_tiled_compute":
+        out = sequence_tiled_compute(token_wise, sl, shards, {"x": x}, {}, "x", [w], 1, None)
+        got = (out * probe[..., None]).sum()
+    else:
+        got = TiledFusedLogitsLoss.apply(lambda module, tile, p: (token_wise(tile) * p[..., None]).sum(), None, x,
+                                         probe, None, shards, [w], "sum")
+    got.backward()
+    assert torch.allclose(got, want) and torch.equal(x.grad[0, 3:], torch.zeros(sl - 3, h))
+    assert torch.allclose(x.grad, want_x_grad)
 
 
 def test_the_hooks_live_only_in_the_block_and_pass_other_backwards_through():
