@@ -12,8 +12,13 @@ The search keeps the longest length that fitted (``lo``) and the shortest that d
 probes the length a straight line through the two longest fitting probes predicts for the budget
 (peak RSS grows linearly with S for a fixed setup; where it does not, e.g. a tile count that jumps,
 the bracket still closes), clamped inside the bracket, until ``hi - lo`` is the granularity. It
-starts from two short probes, so most of its time goes to the few probes near the answer. The
-result is ``lo``: measured to fit, with ``lo + granularity`` measured not to.
+starts from two short probes, so most of its time goes to the few probes near the answer. Two
+guards keep a line that misleads from costing probes: it is followed at most ``EXTRAPOLATE`` times
+past the longest fit (where the short probes' peaks are nearly equal, runtime rather than
+activations, the line's slope is nearly flat and would aim far past the answer), and where it
+aims at or past the shortest failure (the peak grows faster than the line there) the bracket is
+halved, while more than two lengths remain in it, instead of walked down one step at a time. The result is ``lo``: measured to fit, with
+``lo + granularity`` measured not to.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from ds_ulysses.constants import GIB
 __all__ = ["search", "run_maxseq", "format_maxseq", "plot_maxseq", "START"]
 
 START = 2048  # the first probe; the second is twice as long
+EXTRAPOLATE = 4  # the line's guess is capped at this many times the longest length that fitted
 
 
 def search(probe, budget: int, granularity: int, start: int = START, max_probes: int = 12, log=print) -> dict:
@@ -58,11 +64,11 @@ def search(probe, budget: int, granularity: int, start: int = START, max_probes:
             continue
         (s1, p1), (s2, p2) = sorted(fits.items())[-2:]
         slope = (p2 - p1) / (s2 - s1)
-        guess = s2 + (budget - p2) / slope if slope > 0 else 2 * s2
+        guess = min(s2 + (budget - p2) / slope, EXTRAPOLATE * s2) if slope > 0 else 2 * s2
         length = max(int(guess // granularity * granularity), lo + granularity)
         if hi < math.inf:
             length = min(length, hi - granularity)
-        if hi < math.inf and length == hi - granularity and length - lo > 4 * granularity:
+        if hi < math.inf and length == hi - granularity and length - lo > 2 * granularity:
             length = (lo + hi) // 2 // granularity * granularity  # the line aims at the failure: bisect instead
     return {"max_seq": lo, "next_failed": hi if hi < math.inf else None, "probes": probes}
 

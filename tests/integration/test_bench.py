@@ -148,6 +148,28 @@ def test_max_seq_search_finds_the_longest_length_that_fits(per_token, base, budg
     assert len(probed) <= 12 and truth in probed and truth + 256 in probed
 
 
+def test_max_seq_search_is_not_led_far_off_by_a_flat_start_or_a_peak_steeper_than_its_line():
+    """Peaks nearly flat over the two short probes (runtime, not activations) and then steepening (a
+    recipe's 3-step RSS on this machine): the line is followed at most EXTRAPOLATE times past the
+    longest fit, and a bracket the line overshoots is halved, not walked down one length at a time."""
+    def peak(s):
+        return 1_400 + s // 1024 + (s // 1024 - 4) ** 2 * 3 if s > 4096 else 1_400 + s // 1024
+
+    budget = 2_500
+    truth = max(s for s in range(1024, 1 << 20, 1024) if peak(s) <= budget)
+    probed = []
+
+    def probe(s):
+        probed.append(s)
+        return peak(s) if peak(s) <= budget else None
+
+    found = maxseq.search(probe, budget, 1024, log=lambda _: None)
+    assert found["max_seq"] == truth and found["next_failed"] == truth + 1024
+    fitted = [s for s in probed if peak(s) <= budget]
+    assert all(s <= maxseq.EXTRAPOLATE * max(f for f in fitted if f < s) for s in probed[2:])
+    assert len(probed) <= 8, probed
+
+
 @pytest.mark.parametrize("op", tiled.OPS)
 def test_tiled_operations_agree_with_deepspeeds(op):
     """The tiled benchmark's pairs compute the same values and gradients in both libraries."""
