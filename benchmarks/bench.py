@@ -242,21 +242,25 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
     return records
 
 
-def run_layer_suite(seq_lens, sps, iters: int, out: Path, timeout: float = 1800.0, log=print) -> list[dict]:
-    """The attention layer alone (:mod:`benchmarks.layer`): both wrappers interleaved per iteration."""
+def run_layer_suite(seq_lens, sps, iters: int, out: Path, timeout: float = 1800.0, log=print,
+                    reps: int = 1) -> list[dict]:
+    """The attention layer alone (:mod:`benchmarks.layer`): DeepSpeed's wrapper, its noise arm and ours
+    interleaved per iteration, one launch per length and sp in each of ``reps`` repetitions (every
+    configuration once per repetition, so a configuration's launches are minutes apart)."""
     records = []
     out.parent.mkdir(parents=True, exist_ok=True)
-    for seq_len in seq_lens:
-        for sp in sps:
-            spec = {"impl": "layer", "seq_len": seq_len, "sp": sp, "iters": iters}
-            result = launch(spec, sp, _workdir(), timeout)[0]
-            record = {**spec, "kind": "layer", "name": "layer", "result": result,
-                      "date": time.strftime("%Y-%m-%d %H:%M")}
-            with open(out, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            records.append(record)
-            log(f"attention layer S={seq_len} sp={sp}: " + ", ".join(
-                f"{k[:-2]} {v:.3f}s" for k, v in result.items() if k.endswith("_s")))
+    for rep in range(reps):
+        for seq_len in seq_lens:
+            for sp in sps:
+                spec = {"impl": "layer", "seq_len": seq_len, "sp": sp, "iters": iters}
+                result = launch(spec, sp, _workdir(), timeout)[0]
+                record = {**spec, "kind": "layer", "name": "layer", "rep": rep, "result": result,
+                          "date": time.strftime("%Y-%m-%d %H:%M")}
+                with open(out, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                records.append(record)
+                log(f"rep {rep} attention layer S={seq_len} sp={sp}: " + ", ".join(
+                    f"{k[:-2]} {v:.3f}s" for k, v in result.items() if k.endswith("_s")))
     return records
 
 
@@ -312,7 +316,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="leave out the noise arm (DeepSpeed launched twice per repetition)")
     parser.add_argument("--packed-docs", type=int, default=0, help="documents packed per sample (0: one)")
     parser.add_argument("--reps", type=int, default=3, help="launches per arm, in rotating order (with "
-                                                             "--tiled-iters: processes per operation and length)")
+                                                             "--tiled-iters: processes per operation and length; with --layer-iters: "
+                                                             "launches per length and sp)")
     parser.add_argument("--cycles", type=int, default=1, help="measured adapter refill cycles (sp steps each) per "
                                                               "launch; the launch's time is the fastest cycle's")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per launch (overrides --cycles)")
@@ -327,8 +332,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report-only", action="store_true", help="skip running; only --report")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
     parser.add_argument("--layer-iters", type=int, default=0, metavar="N",
-                        help="instead of training steps, time the attention layer alone (both wrappers "
-                             "interleaved in one process group) for N iterations")
+                        help="instead of training steps, time the attention layer alone (DeepSpeed's wrapper, "
+                             "its noise arm and ours interleaved in one process group) for N iterations")
     parser.add_argument("--tiled-iters", type=int, default=0, metavar="N",
                         help="instead of training steps, time TiledMLP and sequence_tiled_compute against "
                              "DeepSpeed's (and DeepSpeed's against itself: the noise) at equal shards, N "
@@ -406,7 +411,9 @@ def run_command(args: argparse.Namespace) -> int:
         print(format_tiled(run_tiled_suite(seq_lens, args.tiled_iters, out, args.timeout, ops=args.tiled_ops,
                                            reps=args.reps)))
     elif args.layer_iters > 0:
-        run_layer_suite(seq_lens, args.sp, args.layer_iters, out, args.timeout)
+        from .report import format_layer
+
+        print(format_layer(run_layer_suite(seq_lens, args.sp, args.layer_iters, out, args.timeout, reps=args.reps)))
     else:
         records = run_suite(seq_lens, args.sp, args.impl, args.reps, args.steps, args.warmup, out,
                             args.packed_docs, model, variants, args.timeout, args.noise, args.profile_reps,

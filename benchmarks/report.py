@@ -323,14 +323,24 @@ def planner_rows(summary: dict) -> list[list]:
 
 
 def format_layer(records: list[dict]) -> str:
-    """:mod:`benchmarks.layer` results: one attention layer, forward + backward, medians."""
+    """:mod:`benchmarks.layer` results: one row per (S, sp) over its launches: each launch's median
+    seconds per arm (median [min-max] over the launches), ours / DeepSpeed per launch, the noise (the
+    largest ``|again / DeepSpeed - 1|`` over launches that ran the noise arm, "-" if none did) and the
+    verdict against <= 1 by :func:`target_verdict`."""
+    groups: dict[tuple, list[dict]] = {}
+    for rec in (r for r in records if r.get("kind") == "layer" and r.get("result")):
+        groups.setdefault((rec["seq_len"], rec["sp"]), []).append(rec["result"])
     rows = []
-    for rec in (r for r in records if r.get("kind") == "layer"):
-        res = rec["result"]
-        ds = res["deepspeed_s"]
-        rows.append([_k(rec["seq_len"]), rec["sp"], res["iters"], f"{ds:.3f}", f"{res['ours_s']:.3f}",
-                     f"**{res['ours_s'] / ds:.2f}**", "yes" if res["same_output_and_grad"] else "NO"])
-    return _table(["S", "sp", "iterations", "DeepSpeed s", "ours s", "ours / DS", "same output and grad"], rows)
+    for (seq_len, sp), results in sorted(groups.items()):
+        ratios = [res["ours_s"] / res["deepspeed_s"] for res in results]
+        again = [res[f"{NOISE_ARM}_s"] / res["deepspeed_s"] for res in results if f"{NOISE_ARM}_s" in res]
+        noise = max(abs(r - 1) for r in again) if again else None
+        rows.append([_k(seq_len), sp, f"{len(results)} x {results[0]['iters']}",
+                     _spread([res["deepspeed_s"] for res in results], 3), _spread([res["ours_s"] for res in results], 3),
+                     f"**{_spread(ratios)}**", _noise_text(noise), target_verdict(statistics.median(ratios), noise, 1.0),
+                     "yes" if all(res["same_output_and_grad"] for res in results) else "NO"])
+    return _table(["S", "sp", "launches x iterations", "DeepSpeed s", "ours s", "ours / DS", "noise", "<= 1",
+                   "same output and grad"], rows)
 
 
 def _plot(summary: dict, key: str, ylabel: str, path: Path, scale: float = 1.0) -> Path:

@@ -50,6 +50,37 @@ def test_tiny_side_by_side_run_writes_the_tables(tmp_path, capsys):
     assert (report / "memory_vs_seq.png").stat().st_size > 0 and (report / "time_vs_seq.png").stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_the_attention_layer_alone_runs_every_arm_on_the_same_inputs(tmp_path, capsys):
+    """`--layer-iters`: DeepSpeed's wrapper, its noise arm and ours, one launch per repetition; the outputs
+    (DeepSpeed's `[bs, sl, hc*hs]`, ours `[bs, sl, hc, hs]`) and q's gradient agree across the arms."""
+    out = tmp_path / "runs.jsonl"
+    assert cli.main(["bench", "--layer-iters", "1", "--reps", "2", "--seq-len", "256", "--sp", "2", "--out", str(out),
+                     "--timeout", "240"]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["rep"] for r in records] == [0, 1]
+    assert all(r["result"]["same_output_and_grad"] and r["result"][f"{NOISE_ARM}_s"] > 0 for r in records)
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert row.startswith("| 256 | 2 | 2 x 1 |") and row.endswith("| yes |")
+
+
+def test_layer_table_judges_the_median_ratio_against_the_noise_arm():
+    def record(ds, again, ours):
+        return {"kind": "layer", "seq_len": 4096, "sp": 2, "result": {
+            "iters": 8, "same_output_and_grad": True, "deepspeed_s": ds, f"{NOISE_ARM}_s": again, "ours_s": ours}}
+
+    # ratios 0.90, 0.85, 0.95 (median 0.90); the noise arm 2% and 4% off DeepSpeed: ±4%, so 0.90 is met
+    rows = report.format_layer([record(1.0, 1.02, 0.90), record(2.0, 1.92, 1.70), record(1.0, 1.0, 0.95)]).splitlines()
+    cells = [c.strip() for c in rows[-1].strip("|").split("|")]
+    assert cells[2:] == ["3 x 8", "1.000 [1.000-2.000]", "0.950 [0.900-1.700]", "**0.90 [0.85-0.95]**", "±4.0%",
+                         "met", "yes"]
+    # a launch without the noise arm (before it existed) leaves the verdict unjudged against noise
+    old = record(1.0, 1.0, 1.1)
+    del old["result"][f"{NOISE_ARM}_s"]
+    cells = [c.strip() for c in report.format_layer([old]).splitlines()[-1].strip("|").split("|")]
+    assert cells[6:8] == ["-", "missed (noise not measured)"]
+
+
 def test_ulysses_minimum_counts_gqa_and_replication():
     model = {"hidden": 256, "heads": 8, "kv_heads": 2}
     # q and output: 256 each; k and v: 2 heads x 32 each -> 640 floats per token, S/sp tokens
