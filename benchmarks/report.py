@@ -413,7 +413,7 @@ def write_report(records: list[dict], out_dir: Path) -> list[Path]:
     if tiled:
         sections += ["## TiledMLP and sequence_tiled_compute vs DeepSpeed's, equal shards", format_tiled(tiled)]
     if any(r.get("kind") == "layer" for r in ok):
-        sections += ["## The attention layer alone (both wrappers interleaved per iteration)", format_layer(ok)]
+        sections += ["## The attention layer alone (DeepSpeed's wrapper, its noise arm and ours interleaved per iteration)", format_layer(ok)]
     sections += [
         "## Communication per attention layer and per adapter refill", format_comm(summary),
         "## Planner prediction vs measured CPU peak RSS",

@@ -31,5 +31,7 @@ bench --max-seq 2.5G --sp 2 --impl deepspeed deepspeed-alst ours
 bench --max-seq 2.5G --sp 2 --impl deepspeed --variant notrim='{"trim_host_heap": false}'  # ours without trim_host_heap
 # 5. the memory planner's anchor: DeepSpeed at S=64 (its RSS is the runtime and the model states alone)
 bench --seq-len 64 --sp 2 4 --reps 1 --impl deepspeed --no-noise --no-warm-up --profile-reps 0
+# 6. the attention layer alone: DeepSpeed's wrapper, its noise arm and ours interleaved (about 10 minutes)
+bench --layer-iters 8 --reps 3 --seq-len 4K 8K 16K --sp 2 4
 
 "$PY" -m benchmarks.bench --out "$OUT" --report-only --report benchmarks/results
