@@ -315,9 +315,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-noise", dest="noise", action="store_false",
                         help="leave out the noise arm (DeepSpeed launched twice per repetition)")
     parser.add_argument("--packed-docs", type=int, default=0, help="documents packed per sample (0: one)")
-    parser.add_argument("--reps", type=int, default=3, help="launches per arm, in rotating order (with "
-                                                             "--tiled-iters: processes per operation and length; with --layer-iters: "
-                                                             "launches per length and sp)")
+    parser.add_argument("--reps", type=int, default=3,
+                        help="launches per arm, in rotating order (with --tiled-iters: processes per operation "
+                             "and length; with --layer-iters: launches per length and sp)")
     parser.add_argument("--cycles", type=int, default=1, help="measured adapter refill cycles (sp steps each) per "
                                                               "launch; the launch's time is the fastest cycle's")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per launch (overrides --cycles)")

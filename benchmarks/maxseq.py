@@ -17,8 +17,8 @@ guards keep a line that misleads from costing probes: it is followed at most ``E
 past the longest fit (where the short probes' peaks are nearly equal, runtime rather than
 activations, the line's slope is nearly flat and would aim far past the answer), and where it
 aims at or past the shortest failure (the peak grows faster than the line there) the bracket is
-halved, while more than two lengths remain in it, instead of walked down one step at a time. The result is ``lo``: measured to fit, with
-``lo + granularity`` measured not to.
+halved, while more than two lengths remain in it, instead of walked down one step at a time. The
+result is ``lo``: measured to fit, with ``lo + granularity`` measured not to.
 """
 
 from __future__ import annotations

@@ -335,9 +335,9 @@ def format_layer(records: list[dict]) -> str:
         ratios = [res["ours_s"] / res["deepspeed_s"] for res in results]
         again = [res[f"{NOISE_ARM}_s"] / res["deepspeed_s"] for res in results if f"{NOISE_ARM}_s" in res]
         noise = max(abs(r - 1) for r in again) if again else None
-        rows.append([_k(seq_len), sp, f"{len(results)} x {results[0]['iters']}",
-                     _spread([res["deepspeed_s"] for res in results], 3), _spread([res["ours_s"] for res in results], 3),
-                     f"**{_spread(ratios)}**", _noise_text(noise), target_verdict(statistics.median(ratios), noise, 1.0),
+        seconds = [_spread([res[f"{arm}_s"] for res in results], 3) for arm in ("deepspeed", "ours")]
+        rows.append([_k(seq_len), sp, f"{len(results)} x {results[0]['iters']}", *seconds, f"**{_spread(ratios)}**",
+                     _noise_text(noise), target_verdict(statistics.median(ratios), noise, 1.0),
                      "yes" if all(res["same_output_and_grad"] for res in results) else "NO"])
     return _table(["S", "sp", "launches x iterations", "DeepSpeed s", "ours s", "ours / DS", "noise", "<= 1",
                    "same output and grad"], rows)
@@ -413,7 +413,8 @@ def write_report(records: list[dict], out_dir: Path) -> list[Path]:
     if tiled:
         sections += ["## TiledMLP and sequence_tiled_compute vs DeepSpeed's, equal shards", format_tiled(tiled)]
     if any(r.get("kind") == "layer" for r in ok):
-        sections += ["## The attention layer alone (DeepSpeed's wrapper, its noise arm and ours interleaved per iteration)", format_layer(ok)]
+        sections += ["## The attention layer alone (DeepSpeed's wrapper, its noise arm and ours interleaved per "
+                     "iteration)", format_layer(ok)]
     sections += [
         "## Communication per attention layer and per adapter refill", format_comm(summary),
         "## Planner prediction vs measured CPU peak RSS",
