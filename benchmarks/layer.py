@@ -4,10 +4,11 @@ Whole training steps on this 2-core machine vary by 3-9% between identical launc
 difference of a few percent in the SP mechanism under ZeRO-3 offload, the loss and the optimizer,
 which both libraries' mechanism paths share. Here DeepSpeed's wrapper, a second instance of it (the
 noise arm, ``deepspeed[again]``) and ours run in the same process group on the same q/k/v (``[bs hc
-sl_l hs]``, GQA, the benchmark model's heads) around the same core (HF's sdpa), forward + backward,
-in an order rotated every iteration, so machine noise hits all three alike. A launch gives each arm
-its median time; the report takes ours / DeepSpeed per launch and the noise arm's largest distance
-from DeepSpeed over the launches (:func:`benchmarks.report.format_layer`).
+sl_l hs]`` views of token-major memory, as a decoder's projections make them; GQA, the benchmark
+model's heads) around the same core (HF's sdpa), forward + backward, in an order rotated every
+iteration, so machine noise hits all three alike. A launch gives each arm its median time; the
+report takes ours / DeepSpeed per launch and the noise arm's largest distance from DeepSpeed over
+the launches (:func:`benchmarks.report.format_layer`).
 
 Dimension legend::  bs batch   hc heads   kv KV heads   sl_l local sequence length   hs head size
 
@@ -59,8 +60,11 @@ def run(seq_len: int, iters: int, heads: int = 8, kv_heads: int = 2, head_size: 
                                 seq_length_is_variable=True, core_attn_implementation="sdpa")
 
     g = torch.Generator().manual_seed(rank)
-    q = torch.randn(1, heads, sl_l, head_size, generator=g)      # [bs hc sl_l hs]
-    kv = [torch.randn(1, kv_heads, sl_l, head_size, generator=g) for _ in range(2)]  # [bs kv sl_l hs]
+    # [bs hc sl_l hs] views of token-major memory, as a decoder's projections (and RoPE after them) hand
+    # q, k and v to attention: `proj(x).view(bs, sl_l, hc, hs).transpose(1, 2)`
+    q = torch.randn(1, sl_l, heads, head_size, generator=g).transpose(1, 2)      # [bs hc sl_l hs]
+    kv = [torch.randn(1, sl_l, kv_heads, head_size, generator=g).transpose(1, 2)  # [bs kv sl_l hs]
+          for _ in range(2)]
     positions = torch.arange(rank * sl_l, (rank + 1) * sl_l)[None]  # [bs sl_l]
     impls = {"deepspeed": theirs, NOISE_ARM: again, "ours": ours}
     times = {name: [] for name in impls}
