@@ -36,7 +36,7 @@ from ds_ulysses.constants import GIB
 from ds_ulysses.planner import parse_size
 
 __all__ = ["add_arguments", "run_command", "main", "launch", "OverBudget", "run_suite", "run_layer_suite", "summarize",
-           "impl_name", "arms", "parse_bytes", "launch_time", "launch_peak", "NOISE_ARM", "TILED_OPS"]
+           "impl_name", "arms", "parse_bytes", "launch_time", "launch_peak", "stamp", "NOISE_ARM", "TILED_OPS"]
 
 _IMPLS = ("deepspeed", "ours-dropin", "ours", "deepspeed-alst")
 NOISE_ARM = "deepspeed[again]"
@@ -177,6 +177,38 @@ def _workdir() -> Path:
     return Path(tempfile.gettempdir()) / "ds_ulysses_bench"
 
 
+def machine() -> str:
+    """What ran a launch: the CPU model, the CPUs this process may use and the memory, e.g.
+    ``Intel(R) Xeon(R) Processor, 2 CPUs, 23.4 GiB`` (sessions here have had different CPU models)."""
+    model = "unknown CPU"
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), model)
+        kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError):
+        return f"{model}, {len(os.sched_getaffinity(0))} CPUs"
+    return f"{model}, {len(os.sched_getaffinity(0))} CPUs, {kib * 1024 / GIB:.1f} GiB"
+
+
+def commit() -> str:
+    """The checkout's commit (short hash, ``+changes`` when its tracked files differ from it), or ``unknown``."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
+
+
+def stamp() -> dict:
+    """The fields every record carries to say when, where and at what code it was measured."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "commit": commit()}
+
+
 def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, out: Path, packed_docs: int = 0,
               model: dict | None = None, variants: dict | None = None, timeout: float = 1800.0,
               noise: bool = True, profile_reps: int = 1, cycles: int = 1, warm_up: bool = True,
@@ -220,7 +252,7 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
                     spec = spec_of(impl, seq_len, sp, section, rep < profile_reps)
                     begin = time.monotonic()
                     record = {"kind": "step", **spec, "variant": variant, "name": name, "rep": rep, "order": order,
-                              "run": run_id, "date": time.strftime("%Y-%m-%d %H:%M"), "load_before": _loadavg()}
+                              "run": run_id, **stamp(), "load_before": _loadavg()}
                     try:
                         record["ranks"] = launch(spec, sp, _workdir(), timeout)
                     except RuntimeError as exc:  # keep going: one broken configuration must not void the suite
@@ -254,8 +286,7 @@ def run_layer_suite(seq_lens, sps, iters: int, out: Path, timeout: float = 1800.
             for sp in sps:
                 spec = {"impl": "layer", "seq_len": seq_len, "sp": sp, "iters": iters}
                 result = launch(spec, sp, _workdir(), timeout)[0]
-                record = {**spec, "kind": "layer", "name": "layer", "rep": rep, "result": result,
-                          "date": time.strftime("%Y-%m-%d %H:%M")}
+                record = {**spec, "kind": "layer", "name": "layer", "rep": rep, "result": result, **stamp()}
                 with open(out, "a") as f:
                     f.write(json.dumps(record) + "\n")
                 records.append(record)

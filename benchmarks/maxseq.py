@@ -77,7 +77,7 @@ def run_maxseq(budget: int, sps, impls, variants: dict, out: Path, model: dict |
                timeout: float = 1800.0, steps: int = 3, log=print) -> list[dict]:
     """Search every arm at every sp, each probe ``steps`` training steps; one record per arm appended to
     ``out``."""
-    from .bench import OverBudget, _workdir, arms, launch
+    from .bench import OverBudget, _workdir, arms, launch, stamp
 
     records = []
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -100,7 +100,7 @@ def run_maxseq(budget: int, sps, impls, variants: dict, out: Path, model: dict |
             found = search(probe, budget, step, log=log)
             record = {"kind": "maxseq", "name": name, "impl": impl, "variant": variant, "section": section, "sp": sp,
                       "budget": budget, "granularity": step, "probe_steps": steps, "model": model or {}, **found,
-                      "seconds": time.monotonic() - begin, "date": time.strftime("%Y-%m-%d %H:%M")}
+                      "seconds": time.monotonic() - begin, **stamp()}
             with open(out, "a") as f:
                 f.write(json.dumps(record) + "\n")
             records.append(record)

@@ -202,7 +202,7 @@ def run_tiled_suite(seq_lens, iters: int, out: Path, timeout: float = 1800.0, op
     length once per repetition, so a repetition's processes are minutes apart)."""
     import os
 
-    from .bench import _workdir, launch
+    from .bench import _workdir, launch, stamp
 
     records = []
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -213,8 +213,7 @@ def run_tiled_suite(seq_lens, iters: int, out: Path, timeout: float = 1800.0, op
             for seq_len in seq_lens:
                 for op in ops:
                     spec = {"impl": "tiled", "op": op, "seq_len": seq_len, "sp": 1, "iters": iters}
-                    record = {"kind": "tiled", **spec, "name": op, "rep": rep,
-                              "date": time.strftime("%Y-%m-%d %H:%M")}
+                    record = {"kind": "tiled", **spec, "name": op, "rep": rep, **stamp()}
                     try:
                         record["result"] = launch(spec, 1, _workdir(), timeout)[0]
                     except RuntimeError as exc:

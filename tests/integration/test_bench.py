@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +35,7 @@ def test_tiny_side_by_side_run_writes_the_tables(tmp_path, capsys):
         assert f"| {arm} | 64 | 2 |" in printed
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["name"] for r in records] == ["deepspeed", NOISE_ARM, "ours"]
+    assert all(r["machine"] == bench.machine() and r["commit"] == bench.commit() for r in records)
     losses = {r["name"]: r["ranks"][0]["losses"][0] for r in records}
     assert losses["ours"] == pytest.approx(losses["deepspeed"], rel=1e-5)  # same model, same samples
     assert losses[NOISE_ARM] == losses["deepspeed"]
@@ -301,3 +305,23 @@ def test_profile_sets_arms_side_by_side_only_within_a_run():
         ("deepspeed", "fast", "5.000"), ("ours-dropin", "fast", "4.000"),
         ("*ours-dropin - deepspeed*", "fast", "*-1.000*"), ("deepspeed", "slow", "9.000")]
     assert rows[2][-2:] == ["*-1.00*", "*-0.50*"]
+
+
+def test_records_say_on_what_machine_and_at_what_commit_they_were_measured(tmp_path):
+    """Sessions here have run on different CPU models: every record carries the CPU, the CPUs it could use
+    and the checkout's commit, and the report lists them (records from before say "not recorded")."""
+    stamped = bench.stamp()
+    cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    assert stamped["machine"].startswith(f"{cpu}, {len(os.sched_getaffinity(0))} CPUs, ")
+    root = Path(bench.__file__).resolve().parent.parent
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    if head.returncode == 0:
+        assert stamped["commit"].split("+")[0] == head.stdout.strip()
+    else:
+        assert stamped["commit"] == "unknown"
+    old = {"kind": "step", "date": "2026-11-24 11:08"}
+    new = {"kind": "tiled", "date": "2026-11-26 13:00", "machine": "Some CPU, 2 CPUs, 23.4 GiB", "commit": "abc1234"}
+    rows = report.format_provenance([new, old, dict(new, kind="layer")]).splitlines()[2:]
+    assert rows == ["| not recorded | not recorded | step | 1 | 2026-11-24 11:08 to 2026-11-24 11:08 |",
+                    "| Some CPU, 2 CPUs, 23.4 GiB | `abc1234` | layer, tiled | 2 "
+                    "| 2026-11-26 13:00 to 2026-11-26 13:00 |"]
