@@ -10,9 +10,7 @@ step time is the fastest of its measured adapter refill cycles (sp steps each, `
 mean of the slowest rank's whole user-loop steps; its memory is the largest rank's peak RSS. Each
 ratio is taken within a repetition (arm / ``deepspeed`` of the same repetition), so slow drifts in
 machine load cancel, and is reported as the median over repetitions with its spread
-(:mod:`benchmarks.report`). With ``--together`` a repetition is one launch of every arm at once, the arms
-taking turns step by step (:func:`launch_together`), so the arms' steps are seconds apart rather than a
-launch apart.
+(:mod:`benchmarks.report`).
 
 Other modes: ``--layer-iters`` (the attention layer alone, :mod:`benchmarks.layer`), ``--tiled-iters``
 (TiledMLP and sequence_tiled_compute against DeepSpeed's, :mod:`benchmarks.tiled`) and
@@ -26,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
+import shutil
 import socket
 import statistics
 import subprocess
@@ -110,54 +108,14 @@ def _steps_of(spec: dict) -> int:
 
 class _Turns:
     """The launcher's side of step-by-step turn taking (``benchmarks.rank.Turn`` is the ranks' side):
-    step ``i`` of every group runs alone, the groups in their order rotated by ``i``. Each rank has two
-    pipes: it blocks reading its ``go`` pipe before a step and writes one byte to its ``done`` pipe after
-    it (blocking reads, so a rank waiting for its turn takes no CPU from the group whose turn it is)."""
+    step ``i`` of every group runs alone, the groups in their order rotated by ``i``; a group's ranks
+    start a step when its ``go`` file appears and report with one ``done`` file each."""
 
-    def __init__(self, steps: list[int], world: int):
-        self.steps, self.world = steps, world
+    def __init__(self, directory: Path, steps: list[int], world: int):
+        self.dir, self.steps, self.world = directory, steps, world
         self.step, self.position, self.released = 0, 0, None
-        self.go = [[os.pipe() for _ in range(world)] for _ in steps]  # [group][rank] (read, write)
-        self.done = [[os.pipe() for _ in range(world)] for _ in steps]
-        self.listening = {}  # done pipe read end -> its group, until its rank exits
-        for group, pipes in enumerate(self.done):
-            for read, _ in pipes:
-                os.set_blocking(read, False)
-                self.listening[read] = group
-        self.finished = [0] * len(steps)  # done bytes read and not yet counted for a step, per group
-
-    def rank_fds(self, group: int, rank: int) -> tuple[int, int]:
-        """The two ends a rank keeps: (read end of its go pipe, write end of its done pipe)."""
-        return self.go[group][rank][0], self.done[group][rank][1]
-
-    def close_rank_ends(self) -> None:
-        """After the ranks are started: the launcher keeps only its own ends."""
-        for group in range(len(self.steps)):
-            for rank in range(self.world):
-                for fd in self.rank_fds(group, rank):
-                    os.close(fd)
-
-    def wait(self, timeout: float) -> None:
-        """Block until a rank reports a step done (or exits) or ``timeout`` seconds pass."""
-        if self.listening:
-            select.select(list(self.listening), [], [], timeout)
-        else:
-            time.sleep(timeout)
-
-    def _drain(self) -> None:
-        for read in list(self.listening):
-            try:
-                got = os.read(read, 64)
-            except BlockingIOError:
-                continue
-            if got:
-                self.finished[self.listening[read]] += len(got)
-            else:  # the rank exited: stop listening, or select would return at once from now on
-                del self.listening[read]
 
     def advance(self) -> None:
-        """Read what the ranks reported; release the next group whose turn it is."""
-        self._drain()
         groups = len(self.steps)
         while self.step < max(self.steps):
             group = (self.position + self.step) % groups
@@ -165,24 +123,16 @@ class _Turns:
                 self._next()
                 continue
             if self.released != (group, self.step):
-                for _, write in self.go[group]:
-                    os.write(write, b"g")
+                (self.dir / f"go.{group}.{self.step}").touch()
                 self.released = (group, self.step)
-            if self.finished[group] < self.world:
+            if not all((self.dir / f"done.{group}.{self.step}.{r}").exists() for r in range(self.world)):
                 return
-            self.finished[group] -= self.world
             self._next()
 
     def _next(self) -> None:
         self.position += 1
         if self.position == len(self.steps):
             self.step, self.position = self.step + 1, 0
-
-    def close(self) -> None:
-        for group in range(len(self.steps)):
-            for rank in range(self.world):
-                for fd in (self.go[group][rank][1], self.done[group][rank][0]):
-                    os.close(fd)
 
 
 def launch_together(specs: list[dict], world: int, workdir: Path, timeout: float = 1800.0,
@@ -192,30 +142,28 @@ def launch_together(specs: list[dict], world: int, workdir: Path, timeout: float
     arms of a repetition meet the machine within seconds of each other instead of minutes apart, and no
     step shares the cores with another group's."""
     workdir.mkdir(parents=True, exist_ok=True)
+    turns_dir = Path(tempfile.mkdtemp(prefix="turns-", dir=workdir)) if len(specs) > 1 else None
     paths = []
-    for spec in specs:
+    for group, spec in enumerate(specs):
         fd, path = tempfile.mkstemp(prefix="spec-", suffix=".json", dir=workdir)
         with os.fdopen(fd, "w") as f:
-            json.dump({**spec, "turns": len(specs) > 1}, f)
+            json.dump({**spec, "turns": {"dir": str(turns_dir), "group": group}} if turns_dir else spec, f)
         paths.append(path)
-    turns = _Turns([_steps_of(spec) for spec in specs], world) if len(specs) > 1 else None
+    turns = _Turns(turns_dir, [_steps_of(spec) for spec in specs], world) if turns_dir else None
     root = str(Path(__file__).resolve().parent.parent)  # the ranks import this checkout's benchmarks and ds_ulysses
     path_env = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     procs, logs = [], []  # group-major: process g * world + rank
-    for group, (path, spec) in enumerate(zip(paths, specs)):
+    for path, spec in zip(paths, specs):
         port = _free_port()
         for rank in range(world):
-            fds = turns.rank_fds(group, rank) if turns else ()
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                    "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
                    "PYTHONPATH": path_env, "DS_ACCELERATOR": "cpu",
-                   "OMP_NUM_THREADS": str(spec.get("threads", 1)), "BENCH_TURN_FDS": ",".join(map(str, fds))}
+                   "OMP_NUM_THREADS": str(spec.get("threads", 1))}
             log = open(f"{path}.rank{rank}.log", "w")
             logs.append(log)
             procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.rank", path], env=env, cwd=root,
-                                          stdout=log, stderr=subprocess.STDOUT, pass_fds=fds))
-    if turns is not None:
-        turns.close_rank_ends()
+                                          stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     failed = over = None
     try:
@@ -228,11 +176,9 @@ def launch_together(specs: list[dict], world: int, workdir: Path, timeout: float
                 if max(peaks) > rss_limit:
                     over = OverBudget(peaks.index(max(peaks)) % world, max(peaks))
                     break
-            if turns is None:
-                time.sleep(0.1)
-            else:
+            if turns is not None:
                 turns.advance()
-                turns.wait(0.1)
+            time.sleep(0.1 if turns is None else 0.005)
         failed = failed if failed is not None else next((i for i, p in enumerate(procs) if p.returncode), None)
     finally:
         for p in procs:
@@ -241,8 +187,8 @@ def launch_together(specs: list[dict], world: int, workdir: Path, timeout: float
                 p.wait()
         for log in logs:
             log.close()
-        if turns is not None:
-            turns.close()
+    if turns_dir is not None:
+        shutil.rmtree(turns_dir, ignore_errors=True)
     if over is not None:
         for path in paths:
             for leftover in workdir.glob(Path(path).name + "*"):

@@ -37,6 +37,7 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -273,23 +274,26 @@ def _reset_hwm() -> bool:
 
 class Turn:
     """A rank's side of the launcher's step-by-step turn taking (``benchmarks.bench.launch_together``): before
-    step ``i`` block reading one byte from the go pipe, after it write one byte to the done pipe (the two
-    descriptors in ``BENCH_TURN_FDS``). A spec without ``turns`` (one group launched alone) never waits.
-    Every step's wall-clock span is kept."""
+    step ``i`` wait for this group's ``go`` file, after it leave this rank's ``done`` file. A spec without
+    ``turns`` (one group launched alone) never waits. Every step's wall-clock span is kept."""
 
-    def __init__(self, spec: dict):
-        self.fds = tuple(int(fd) for fd in os.environ["BENCH_TURN_FDS"].split(",")) if spec.get("turns") else None
+    def __init__(self, spec: dict, rank: int):
+        turns = spec.get("turns")
+        self.dir, self.group = (Path(turns["dir"]), turns["group"]) if turns else (None, None)
+        self.rank = rank
         self.spans: list[list[float]] = []
 
     @contextlib.contextmanager
-    def __call__(self):
-        if self.fds is not None and not os.read(self.fds[0], 1):
-            raise RuntimeError("the benchmark launcher closed this rank's turn pipe before its turn came")
+    def __call__(self, i: int):
+        if self.dir is not None:
+            go = self.dir / f"go.{self.group}.{i}"
+            while not go.exists():
+                time.sleep(0.001)
         start = time.time()
         yield
         self.spans.append([start, time.time()])
-        if self.fds is not None:
-            os.write(self.fds[1], b"d")
+        if self.dir is not None:
+            (self.dir / f"done.{self.group}.{i}.{self.rank}").touch()
 
 
 def _step(engine, loader, loss_fn, tap):
@@ -341,13 +345,13 @@ def run(spec: dict) -> dict:
     reset_ok = _reset_hwm()
     times, phases, losses, step_peaks = [], [], [], []
     refill = ({}, 0)
-    turn = Turn(spec)
+    turn = Turn(spec, rank)
     for i in range(spec["warmup"] + spec["steps"]):
         measured = i >= spec["warmup"]
         if measured and i == spec["warmup"]:
             refill = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
             tap.reset()
-        with turn():
+        with turn(i):
             dist.barrier()
             loss, split = _step(engine, loader, loss_fn, tap)
         losses.append(float(loss.detach()))
@@ -369,7 +373,7 @@ def run(spec: dict) -> dict:
     if spec.get("profile"):
         profile: dict = {}
         regions.collectives()
-        with turn():
+        with turn(spec["warmup"] + spec["steps"]):
             dist.barrier()
             with phase_seconds(profile):
                 _step(engine, loader, loss_fn, tap)

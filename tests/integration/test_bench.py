@@ -327,48 +327,32 @@ def test_records_say_on_what_machine_and_at_what_commit_they_were_measured(tmp_p
                     "| 2026-11-26 13:00 to 2026-11-26 13:00 |"]
 
 
-def test_turns_release_one_group_at_a_time_in_an_order_rotated_per_step():
-    """The launcher's side of `--together`, the ranks played by hand on the pipes: a group's step is
-    released once the group before it has reported every rank done; step i starts with group i mod
-    groups; a group out of steps is skipped."""
-    turns = bench._Turns([2, 3], world=2)
-    for pipes in turns.go:
-        for read, _ in pipes:
-            os.set_blocking(read, False)
+def test_turns_release_one_group_at_a_time_in_an_order_rotated_per_step(tmp_path):
+    """The launcher's side of `--together`: a group's step is released once the group before it has
+    reported every rank done; step i starts with group i mod groups; a group out of steps is skipped."""
+    turns = bench._Turns(tmp_path, [2, 3], world=2)
 
-    def released():  # the groups whose ranks got a go byte since the last look (both ranks or neither)
-        out = []
-        for group in range(2):
-            got = []
-            for rank in range(2):
-                try:
-                    got.append(os.read(turns.rank_fds(group, rank)[0], 8))
-                except BlockingIOError:
-                    got.append(b"")
-            assert got[0] == got[1]
-            out += [group] * len(got[0])
-        return out
+    def released():
+        return sorted(p.name for p in tmp_path.glob("go.*"))
 
-    def report(group, rank):
-        os.write(turns.rank_fds(group, rank)[1], b"d")
+    def finish(group, step):
+        for rank in range(2):
+            (tmp_path / f"done.{group}.{step}.{rank}").touch()
 
     turns.advance()
-    assert released() == [0]
-    report(0, 0)  # one rank of two: the turn stays with group 0
+    assert released() == ["go.0.0"]
+    (tmp_path / "done.0.0.0").touch()  # one rank of two: the turn stays with group 0
     turns.advance()
-    assert released() == []
-    report(0, 1)
-    turns.advance()
-    assert released() == [1]
+    assert released() == ["go.0.0"]
     # step 0: group 0 then 1; step 1: group 1 then 0; step 2: group 0 has only 2 steps, so group 1 alone
-    for group, then in [(1, 1), (1, 0), (0, 1), (1, None)]:
-        report(group, 0)
-        report(group, 1)
+    for (group, step), new in [((0, 0), "go.1.0"), ((1, 0), "go.1.1"), ((1, 1), "go.0.1"), ((0, 1), "go.1.2")]:
+        before = released()
+        finish(group, step)
         turns.advance()
-        assert released() == ([] if then is None else [then])
-    assert turns.step == 3
-    turns.close()
-    turns.close_rank_ends()
+        assert released() == sorted(before + [new])
+    finish(1, 2)
+    turns.advance()
+    assert turns.step == 3 and released() == ["go.0.0", "go.0.1", "go.1.0", "go.1.1", "go.1.2"]
 
 
 @pytest.mark.slow
