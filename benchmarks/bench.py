@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -36,9 +35,8 @@ from pathlib import Path
 from ds_ulysses.constants import GIB
 from ds_ulysses.planner import parse_size
 
-__all__ = ["add_arguments", "run_command", "main", "launch", "launch_together", "OverBudget", "run_suite",
-           "run_layer_suite", "summarize", "impl_name", "arms", "parse_bytes", "launch_time", "launch_peak", "stamp",
-           "NOISE_ARM", "TILED_OPS"]
+__all__ = ["add_arguments", "run_command", "main", "launch", "OverBudget", "run_suite", "run_layer_suite", "summarize",
+           "impl_name", "arms", "parse_bytes", "launch_time", "launch_peak", "stamp", "NOISE_ARM", "TILED_OPS"]
 
 _IMPLS = ("deepspeed", "ours-dropin", "ours", "deepspeed-alst")
 NOISE_ARM = "deepspeed[again]"
@@ -99,87 +97,36 @@ def launch(spec: dict, world: int, workdir: Path, timeout: float = 1800.0, rss_l
     With ``rss_limit`` (bytes), the ranks are stopped as soon as one's RSS high-water mark passes it
     (read from ``/proc``, so no spike between two looks is missed), raising :class:`OverBudget`.
     """
-    return launch_together([spec], world, workdir, timeout, rss_limit)[0]
-
-
-def _steps_of(spec: dict) -> int:
-    return spec["warmup"] + spec["steps"] + (1 if spec.get("profile") else 0)
-
-
-class _Turns:
-    """The launcher's side of step-by-step turn taking (``benchmarks.rank.Turn`` is the ranks' side):
-    step ``i`` of every group runs alone, the groups in their order rotated by ``i``; a group's ranks
-    start a step when its ``go`` file appears and report with one ``done`` file each."""
-
-    def __init__(self, directory: Path, steps: list[int], world: int):
-        self.dir, self.steps, self.world = directory, steps, world
-        self.step, self.position, self.released = 0, 0, None
-
-    def advance(self) -> None:
-        groups = len(self.steps)
-        while self.step < max(self.steps):
-            group = (self.position + self.step) % groups
-            if self.step >= self.steps[group]:
-                self._next()
-                continue
-            if self.released != (group, self.step):
-                (self.dir / f"go.{group}.{self.step}").touch()
-                self.released = (group, self.step)
-            if not all((self.dir / f"done.{group}.{self.step}.{r}").exists() for r in range(self.world)):
-                return
-            self._next()
-
-    def _next(self) -> None:
-        self.position += 1
-        if self.position == len(self.steps):
-            self.step, self.position = self.step + 1, 0
-
-
-def launch_together(specs: list[dict], world: int, workdir: Path, timeout: float = 1800.0,
-                    rss_limit: int | None = None) -> list[list[dict]]:
-    """Run each spec on its own ``world`` fresh processes, all alive at once; return every group's per-rank
-    measurements. With more than one spec the groups take turns step by step (:class:`_Turns`), so the
-    arms of a repetition meet the machine within seconds of each other instead of minutes apart, and no
-    step shares the cores with another group's."""
     workdir.mkdir(parents=True, exist_ok=True)
-    turns_dir = Path(tempfile.mkdtemp(prefix="turns-", dir=workdir)) if len(specs) > 1 else None
-    paths = []
-    for group, spec in enumerate(specs):
-        fd, path = tempfile.mkstemp(prefix="spec-", suffix=".json", dir=workdir)
-        with os.fdopen(fd, "w") as f:
-            json.dump({**spec, "turns": {"dir": str(turns_dir), "group": group}} if turns_dir else spec, f)
-        paths.append(path)
-    turns = _Turns(turns_dir, [_steps_of(spec) for spec in specs], world) if turns_dir else None
+    fd, path = tempfile.mkstemp(prefix="spec-", suffix=".json", dir=workdir)
+    with os.fdopen(fd, "w") as f:
+        json.dump(spec, f)
+    port = _free_port()
     root = str(Path(__file__).resolve().parent.parent)  # the ranks import this checkout's benchmarks and ds_ulysses
     path_env = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    procs, logs = [], []  # group-major: process g * world + rank
-    for path, spec in zip(paths, specs):
-        port = _free_port()
-        for rank in range(world):
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                   "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-                   "PYTHONPATH": path_env, "DS_ACCELERATOR": "cpu",
-                   "OMP_NUM_THREADS": str(spec.get("threads", 1))}
-            log = open(f"{path}.rank{rank}.log", "w")
-            logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.rank", path], env=env, cwd=root,
-                                          stdout=log, stderr=subprocess.STDOUT))
+    procs, logs = [], []
+    for rank in range(world):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+               "PYTHONPATH": path_env, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(spec.get("threads", 1))}
+        log = open(f"{path}.rank{rank}.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.rank", path], env=env, cwd=root,
+                                      stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     failed = over = None
     try:
         while any(p.poll() is None for p in procs) and failed is None:
-            failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+            failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
             if time.monotonic() > deadline:
                 failed = "timeout"
             if rss_limit is not None:
                 peaks = [_hwm_of(p.pid) for p in procs]
                 if max(peaks) > rss_limit:
-                    over = OverBudget(peaks.index(max(peaks)) % world, max(peaks))
+                    over = OverBudget(peaks.index(max(peaks)), max(peaks))
                     break
-            if turns is not None:
-                turns.advance()
-            time.sleep(0.1 if turns is None else 0.005)
-        failed = failed if failed is not None else next((i for i, p in enumerate(procs) if p.returncode), None)
+            time.sleep(0.1)
+        failed = failed if failed is not None else next((r for r, p in enumerate(procs) if p.returncode), None)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -187,25 +134,20 @@ def launch_together(specs: list[dict], world: int, workdir: Path, timeout: float
                 p.wait()
         for log in logs:
             log.close()
-    if turns_dir is not None:
-        shutil.rmtree(turns_dir, ignore_errors=True)
     if over is not None:
-        for path in paths:
-            for leftover in workdir.glob(Path(path).name + "*"):
-                leftover.unlink()
+        for leftover in workdir.glob(Path(path).name + "*"):
+            leftover.unlink()
         raise over
     if failed is not None:
-        which = 0 if failed == "timeout" else failed
-        spec, rank = specs[which // world], which % world
-        tail = Path(f"{paths[which // world]}.rank{rank}.log").read_text()[-3000:]
+        rank = 0 if failed == "timeout" else failed
+        tail = Path(f"{path}.rank{rank}.log").read_text()[-3000:]
         raise RuntimeError(f"benchmark launch of {spec['impl']} (S={spec['seq_len']}, sp={world}) failed "
                            f"({'timed out' if failed == 'timeout' else f'rank {rank} exited non-zero'}); "
                            f"log tail:\n{tail}")
-    results = [[json.loads(Path(f"{path}.rank{r}.json").read_text()) for r in range(world)] for path in paths]
-    for path in paths:
-        for leftover in workdir.glob(Path(path).name + "*"):
-            leftover.unlink()
-        Path(path).unlink(missing_ok=True)
+    results = [json.loads(Path(f"{path}.rank{r}.json").read_text()) for r in range(world)]
+    for leftover in workdir.glob(Path(path).name + "*"):
+        leftover.unlink()
+    Path(path).unlink(missing_ok=True)
     return results
 
 
@@ -270,7 +212,7 @@ def stamp() -> dict:
 def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, out: Path, packed_docs: int = 0,
               model: dict | None = None, variants: dict | None = None, timeout: float = 1800.0,
               noise: bool = True, profile_reps: int = 1, cycles: int = 1, warm_up: bool = True,
-              together: bool = False, log=print) -> list[dict]:
+              log=print) -> list[dict]:
     """Every (S, sp) with every arm, ``reps`` rotations; each launch appended to ``out``.
 
     With ``warm_up``, one launch of the first arm and configuration runs first and is not recorded:
@@ -278,8 +220,7 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
 
     ``steps`` None means ``cycles`` adapter refill cycles of sp steps; ``variants`` maps a name to a ``"ulysses"``
     section override for an extra ``ours`` arm; the first ``profile_reps`` repetitions also profile
-    one step per launch (:mod:`benchmarks.profile`). With ``together`` every repetition is one launch of all
-    arms at once, taking turns step by step (:func:`launch_together`).
+    one step per launch (:mod:`benchmarks.profile`).
     """
     from .report import format_group
 
@@ -307,34 +248,27 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
             group = []
             for rep in range(reps):
                 shift = rep % len(entries)
-                rotated = entries[shift:] + entries[:shift]
-                # one launch per arm, or with ``together`` one launch of every arm taking turns step by step
-                batches = [rotated] if together else [[entry] for entry in rotated]
-                for batch in batches:
-                    specs = [spec_of(impl, seq_len, sp, section, rep < profile_reps) for _, impl, _, section in batch]
+                for order, (name, impl, variant, section) in enumerate(entries[shift:] + entries[:shift]):
+                    spec = spec_of(impl, seq_len, sp, section, rep < profile_reps)
                     begin = time.monotonic()
-                    stamped = {"run": run_id, **stamp(), "load_before": _loadavg(), "together": together}
+                    record = {"kind": "step", **spec, "variant": variant, "name": name, "rep": rep, "order": order,
+                              "run": run_id, **stamp(), "load_before": _loadavg()}
                     try:
-                        results, error = launch_together(specs, sp, _workdir(), timeout), None
+                        record["ranks"] = launch(spec, sp, _workdir(), timeout)
                     except RuntimeError as exc:  # keep going: one broken configuration must not void the suite
-                        results, error = [None] * len(specs), str(exc)[-2000:]
-                        log(f"{', '.join(e[0] for e in batch):>24} S={seq_len:>6} sp={sp} rep={rep}: "
-                            f"FAILED ({str(exc).splitlines()[-1]})")
-                    after, wall = _loadavg(), time.monotonic() - begin
-                    for (name, impl, variant, section), spec, ranks in zip(batch, specs, results):
-                        record = {"kind": "step", **spec, "variant": variant, "name": name, "rep": rep,
-                                  "order": rotated.index((name, impl, variant, section)), **stamped,
-                                  "load_after": after, "wall": wall}
-                        record.update({"error": error} if error else {"ranks": ranks})
-                        with open(out, "a") as f:
-                            f.write(json.dumps(record) + "\n")
-                        if error:
-                            continue
-                        records.append(record)
-                        group.append(record)
-                        log(f"{name:>24} S={seq_len:>6} sp={sp} packed={packed_docs} rep={rep}: "
-                            f"step {launch_time(record):.2f}s, peak {launch_peak(record) / GIB:.2f} GiB, "
-                            f"launch {wall:.0f}s, load {record['load_before']:.1f}->{after:.1f}")
+                        record["error"] = str(exc)[-2000:]
+                        log(f"{name:>24} S={seq_len:>6} sp={sp} rep={rep}: FAILED ({str(exc).splitlines()[-1]})")
+                    record["load_after"] = _loadavg()
+                    record["wall"] = time.monotonic() - begin
+                    with open(out, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    if "error" in record:
+                        continue
+                    records.append(record)
+                    group.append(record)
+                    log(f"{name:>24} S={seq_len:>6} sp={sp} packed={packed_docs} rep={rep}: "
+                        f"step {launch_time(record):.2f}s, peak {launch_peak(record) / GIB:.2f} GiB, "
+                        f"launch {record['wall']:.0f}s, load {record['load_before']:.1f}->{record['load_after']:.1f}")
             if group:
                 log(format_group(group))
     return records
@@ -411,10 +345,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="leave out the unrecorded first launch that warms the machine up")
     parser.add_argument("--no-noise", dest="noise", action="store_false",
                         help="leave out the noise arm (DeepSpeed launched twice per repetition)")
-    parser.add_argument("--together", action="store_true",
-                        help="launch every arm of a repetition at once, the arms taking turns step by step "
-                             "(each step alone on the machine, the arms' steps seconds apart; memory: every "
-                             "arm's processes are alive together)")
     parser.add_argument("--packed-docs", type=int, default=0, help="documents packed per sample (0: one)")
     parser.add_argument("--reps", type=int, default=3,
                         help="launches per arm, in rotating order (with --tiled-iters: processes per operation "
@@ -518,7 +448,7 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         records = run_suite(seq_lens, args.sp, args.impl, args.reps, args.steps, args.warmup, out,
                             args.packed_docs, model, variants, args.timeout, args.noise, args.profile_reps,
-                            args.cycles, args.warm_up, args.together)
+                            args.cycles, args.warm_up)
         print(format_run(records))
     if args.report:
         lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]

@@ -29,7 +29,6 @@ attention layers and of the adapter's refills are counted by :mod:`benchmarks.ta
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
@@ -37,7 +36,6 @@ import os
 import resource
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -272,30 +270,6 @@ def _reset_hwm() -> bool:
         return False
 
 
-class Turn:
-    """A rank's side of the launcher's step-by-step turn taking (``benchmarks.bench.launch_together``): before
-    step ``i`` wait for this group's ``go`` file, after it leave this rank's ``done`` file. A spec without
-    ``turns`` (one group launched alone) never waits. Every step's wall-clock span is kept."""
-
-    def __init__(self, spec: dict, rank: int):
-        turns = spec.get("turns")
-        self.dir, self.group = (Path(turns["dir"]), turns["group"]) if turns else (None, None)
-        self.rank = rank
-        self.spans: list[list[float]] = []
-
-    @contextlib.contextmanager
-    def __call__(self, i: int):
-        if self.dir is not None:
-            go = self.dir / f"go.{self.group}.{i}"
-            while not go.exists():
-                time.sleep(0.001)
-        start = time.time()
-        yield
-        self.spans.append([start, time.time()])
-        if self.dir is not None:
-            (self.dir / f"done.{self.group}.{i}.{self.rank}").touch()
-
-
 def _step(engine, loader, loss_fn, tap):
     """One user-loop step: (loss, [adapter, forward, backward, optimizer] seconds)."""
     from torch.autograd.profiler import record_function
@@ -345,15 +319,13 @@ def run(spec: dict) -> dict:
     reset_ok = _reset_hwm()
     times, phases, losses, step_peaks = [], [], [], []
     refill = ({}, 0)
-    turn = Turn(spec, rank)
     for i in range(spec["warmup"] + spec["steps"]):
         measured = i >= spec["warmup"]
         if measured and i == spec["warmup"]:
             refill = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
             tap.reset()
-        with turn(i):
-            dist.barrier()
-            loss, split = _step(engine, loader, loss_fn, tap)
+        dist.barrier()
+        loss, split = _step(engine, loader, loss_fn, tap)
         losses.append(float(loss.detach()))
         step_peaks.append(_hwm_bytes())
         if measured:
@@ -368,15 +340,14 @@ def run(spec: dict) -> dict:
         "peak": max(init_peak, steps_peak),
         "attn_forward": tap.tallies["attn_forward"].as_dict(), "attn_forward_calls": tap.counts["attn_forward"],
         "attn_backward": tap.tallies["attn_backward"].as_dict(), "backward": tap.tallies["backward"].as_dict(),
-        "refill": refill[0], "refills": refill[1], "spans": turn.spans,
+        "refill": refill[0], "refills": refill[1],
     }
     if spec.get("profile"):
         profile: dict = {}
         regions.collectives()
-        with turn(spec["warmup"] + spec["steps"]):
-            dist.barrier()
-            with phase_seconds(profile):
-                _step(engine, loader, loss_fn, tap)
+        dist.barrier()
+        with phase_seconds(profile):
+            _step(engine, loader, loss_fn, tap)
         result["profile"] = profile
     regions.uninstall()
     dist.barrier()

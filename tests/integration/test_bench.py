@@ -147,10 +147,10 @@ def test_a_ratio_row_shows_the_seconds_and_bytes_of_the_launches_it_pairs():
 
 
 def test_a_failed_warm_up_launch_does_not_void_the_suite(tmp_path, monkeypatch):
-    def broken(specs, world, workdir, timeout, rss_limit=None):
-        raise RuntimeError(f"benchmark launch of {specs[0]['impl']} failed; log tail:\nterminate called")
+    def broken(spec, world, workdir, timeout):
+        raise RuntimeError(f"benchmark launch of {spec['impl']} failed; log tail:\nterminate called")
 
-    monkeypatch.setattr(bench, "launch_together", broken)  # every launch, the warm-up's through `launch`
+    monkeypatch.setattr(bench, "launch", broken)
     printed = []
     out = tmp_path / "runs.jsonl"
     records = bench.run_suite([64], [2], ["deepspeed"], reps=1, steps=1, warmup=0, out=out, noise=False,
@@ -325,57 +325,3 @@ def test_records_say_on_what_machine_and_at_what_commit_they_were_measured(tmp_p
     assert rows == ["| not recorded | not recorded | step | 1 | 2026-11-24 11:08 to 2026-11-24 11:08 |",
                     "| Some CPU, 2 CPUs, 23.4 GiB | `abc1234` | layer, tiled | 2 "
                     "| 2026-11-26 13:00 to 2026-11-26 13:00 |"]
-
-
-def test_turns_release_one_group_at_a_time_in_an_order_rotated_per_step(tmp_path):
-    """The launcher's side of `--together`: a group's step is released once the group before it has
-    reported every rank done; step i starts with group i mod groups; a group out of steps is skipped."""
-    turns = bench._Turns(tmp_path, [2, 3], world=2)
-
-    def released():
-        return sorted(p.name for p in tmp_path.glob("go.*"))
-
-    def finish(group, step):
-        for rank in range(2):
-            (tmp_path / f"done.{group}.{step}.{rank}").touch()
-
-    turns.advance()
-    assert released() == ["go.0.0"]
-    (tmp_path / "done.0.0.0").touch()  # one rank of two: the turn stays with group 0
-    turns.advance()
-    assert released() == ["go.0.0"]
-    # step 0: group 0 then 1; step 1: group 1 then 0; step 2: group 0 has only 2 steps, so group 1 alone
-    for (group, step), new in [((0, 0), "go.1.0"), ((1, 0), "go.1.1"), ((1, 1), "go.0.1"), ((0, 1), "go.1.2")]:
-        before = released()
-        finish(group, step)
-        turns.advance()
-        assert released() == sorted(before + [new])
-    finish(1, 2)
-    turns.advance()
-    assert turns.step == 3 and released() == ["go.0.0", "go.0.1", "go.1.0", "go.1.1", "go.1.2"]
-
-
-@pytest.mark.slow
-def test_arms_launched_together_take_turns_step_by_step(tmp_path):
-    """`--together`: every arm of a repetition is alive at once and no two steps overlap in time; step i
-    begins with the arm i places after the first, and each arm trains as it does alone (same losses)."""
-    out = tmp_path / "runs.jsonl"
-    args = ["bench", "--seq-len", "64", "--sp", "2", "--reps", "1", "--steps", "2", "--warmup", "1", "--impl",
-            "deepspeed", "ours-dropin", "--profile-reps", "0", "--no-warm-up", *TINY, "--timeout", "240"]
-    assert cli.main([*args, "--together", "--out", str(out)]) == 0
-    assert cli.main([*args, "--out", str(tmp_path / "alone.jsonl")]) == 0
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    alone = {r["name"]: r for r in map(json.loads, (tmp_path / "alone.jsonl").read_text().splitlines())}
-    assert [r["name"] for r in records] == ["deepspeed", NOISE_ARM, "ours-dropin"]
-    assert all(r["together"] for r in records) and not any(r["together"] for r in alone.values())
-    spans = {}  # (arm, step) -> (first rank's start, last rank's end), wall clock
-    for r in records:
-        for i, steps in enumerate(zip(*(rank["spans"] for rank in r["ranks"]))):
-            spans[r["name"], i] = (min(start for start, _ in steps), max(end for _, end in steps))
-    arms = [r["name"] for r in records]
-    for k in range(3):
-        assert sorted(arms, key=lambda name: spans[name, k][0]) == arms[k:] + arms[:k]
-    timeline = sorted(spans.values())
-    assert all(end <= next_start for (_, end), (next_start, _) in zip(timeline, timeline[1:]))
-    for r in records:
-        assert r["ranks"][0]["losses"] == pytest.approx(alone[r["name"]]["ranks"][0]["losses"], rel=1e-6)
