@@ -307,11 +307,12 @@ def test_profile_sets_arms_side_by_side_only_within_a_run():
     assert rows[2][-2:] == ["*-1.00*", "*-0.50*"]
 
 
-def test_records_say_on_what_machine_and_at_what_commit_they_were_measured(tmp_path):
+def test_records_say_on_what_machine_and_at_what_commit_they_were_measured():
     """Sessions here have run on different CPU models: every record carries the CPU, the CPUs it could use
     and the checkout's commit, and the report lists them (records from before say "not recorded")."""
     stamped = bench.stamp()
-    cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               "unknown CPU")
     assert stamped["machine"].startswith(f"{cpu}, {len(os.sched_getaffinity(0))} CPUs, ")
     root = Path(bench.__file__).resolve().parent.parent
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
