@@ -1,6 +1,6 @@
 """The attention layer alone: DeepSpeed's ``UlyssesSPAttentionHF`` and ours, interleaved per iteration.
 
-Whole training steps on this 2-core machine vary by 3-9% between identical launches, which hides a
+Whole training steps on this 2-core machine vary by 3-12% between identical launches, which hides a
 difference of a few percent in the SP mechanism under ZeRO-3 offload, the loss and the optimizer,
 which both libraries' mechanism paths share. Here DeepSpeed's wrapper, a second instance of it (the
 noise arm, ``deepspeed[again]``) and ours run in the same process group on the same q/k/v (``[bs hc
