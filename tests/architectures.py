@@ -170,6 +170,8 @@ OVERRIDES: dict[str, tuple[dict, str]] = {
                              head_dim=16),
                         "no per-layer head overrides (the default lists 46 layers); MLA wants KV heads == heads and "
                         "head_dim == nope + rope"),
+    "codegen": (dict(rotary_dim=8), "RoPE on the first rotary_dim dims of a head: 64 by default, the tiny head has 16"),
+    "gptj": (dict(rotary_dim=8), "as codegen"),
     "zaya": (dict(num_experts_per_tok=1), "ZAYA supports top-1 routing only"),
     "xmod": (dict(default_language="en_XX"), "X-MOD needs a language to pick its adapters"),
     "dbrx": (dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=512,

@@ -19,6 +19,7 @@ DROPIN = [
     "qwen2_moe",   # MoE with a shared expert
     "bamba",       # mamba layers: refused at registration
     "gpt2",        # merges heads itself after the attention call
+    "gptj",        # partial RoPE: rotary_dim (8) of a head's 16 dims, rotated interleaved
     "jetmoe",      # K/V head count at the call (kv heads * top_k) differs from the config
     "modernbert-decoder",  # get_decoder() is not the text decoder
     "falcon",      # its sdpa branch calls F.scaled_dot_product_attention itself: refused at the first forward
