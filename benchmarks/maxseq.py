@@ -17,8 +17,11 @@ guards keep a line that misleads from costing probes: it is followed at most ``E
 past the longest fit (where the short probes' peaks are nearly equal, runtime rather than
 activations, the line's slope is nearly flat and would aim far past the answer), and where it
 aims at or past the shortest failure (the peak grows faster than the line there) the bracket is
-halved, while more than two lengths remain in it, instead of walked down one step at a time. The
-result is ``lo``: measured to fit, with ``lo + granularity`` measured not to.
+halved, while more than two lengths remain in it, instead of walked down one step at a time. When
+the bracket has closed, ``lo`` is probed a second time (a run's peak RSS moves by a few % between
+identical launches, and a length near the budget can fit by luck once): if it fails now, it becomes
+``hi`` and the search goes on below it. The result is ``lo``: measured to fit in every probe of it,
+at least two, with ``lo + granularity`` measured not to.
 """
 
 from __future__ import annotations
@@ -36,10 +39,11 @@ START = 2048  # the first probe; the second is twice as long
 EXTRAPOLATE = 4  # the line's guess is capped at this many times the longest length that fitted
 
 
-def search(probe, budget: int, granularity: int, start: int = START, max_probes: int = 12, log=print) -> dict:
+def search(probe, budget: int, granularity: int, start: int = START, max_probes: int = 14, log=print) -> dict:
     """Longest multiple of ``granularity`` whose ``probe(S) -> peak bytes or None (over budget)`` fits.
 
-    Returns ``{"max_seq", "next_failed", "probes": [[S, peak or None], ...]}``.
+    Returns ``{"max_seq", "next_failed", "probes": [[S, peak or None], ...]}``; ``max_seq`` fitted in
+    every probe of it, two at least unless ``max_probes`` ran out first (0 if nothing fitted).
     """
     fits: dict[int, int] = {}
     lo, hi = 0, math.inf
@@ -50,11 +54,16 @@ def search(probe, budget: int, granularity: int, start: int = START, max_probes:
         probes.append([length, peak])
         log(f"  S={length:>7}: " + (f"peak {peak / GIB:.2f} GiB, fits" if peak is not None else "over budget"))
         if peak is not None:
-            fits[length], lo = peak, max(lo, length)
+            fits[length], lo = max(peak, fits.get(length, 0)), max(lo, length)
         else:
             hi = min(hi, length)
+            if fits.pop(length, None) is not None:  # it fitted before: a lucky run; the search goes on below it
+                lo = max(fits, default=0)
         if hi - lo <= granularity:
-            break
+            if lo == 0 or sum(s == lo for s, _ in probes) >= 2:
+                break
+            length = lo  # the answer is probed again before it is believed
+            continue
         if len(fits) < 2:  # not enough points for a line yet: double, or halve below the shortest failure
             length = 2 * lo if peak is not None else max(granularity, (lo + hi) // 2 // granularity * granularity)
             if length >= hi:
