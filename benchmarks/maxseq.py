@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ds_ulysses.constants import GIB
 
-__all__ = ["search", "run_maxseq", "format_maxseq", "plot_maxseq", "START"]
+__all__ = ["search", "run_maxseq", "format_maxseq", "latest_searches", "plot_maxseq", "START"]
 
 START = 2048  # the first probe; the second is twice as long
 EXTRAPOLATE = 4  # the line's guess is capped at this many times the longest length that fitted
@@ -123,10 +123,7 @@ def format_maxseq(records: list[dict]) -> str:
     ratios to DeepSpeed's tutorial recipe and to DeepSpeed with every ALST tool searched the same way."""
     from .report import _k, _table
 
-    latest = {}
-    for rec in records:
-        key = (rec["budget"], rec["sp"], rec.get("probe_steps", 1), json.dumps(rec.get("model", {}), sort_keys=True))
-        latest[(*key, rec["name"])] = rec
+    latest = latest_searches(records)
     rows = []
     for (budget, sp, steps, model, name), rec in sorted(latest.items()):
         base = latest.get((budget, sp, steps, model, "deepspeed"))
@@ -145,8 +142,18 @@ def format_maxseq(records: list[dict]) -> str:
                    "vs DeepSpeed tutorial", "vs DeepSpeed + ALST tools", "probes (✗: over budget)", "minutes"], rows)
 
 
+def latest_searches(records: list[dict]) -> dict:
+    """(budget, sp, steps per probe, model, arm) -> that arm's latest search: what the table and plot show."""
+    latest = {}
+    for rec in records:
+        key = (rec["budget"], rec["sp"], rec.get("probe_steps", 1), json.dumps(rec.get("model", {}), sort_keys=True))
+        latest[(*key, rec["name"])] = rec
+    return latest
+
+
 def plot_maxseq(records: list[dict], path: Path) -> Path:
-    """Peak RSS of every probe against S, per arm, with the budget line."""
+    """Peak RSS of every probe that fitted against S, per arm's latest search (as in the table), with the
+    budget line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,6 +162,7 @@ def plot_maxseq(records: list[dict], path: Path) -> Path:
     from .report import STYLES, save_seq_plot
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    records = [rec for _, rec in sorted(latest_searches(records).items())]
     for rec in records:
         points = sorted((s, p / GIB) for s, p in rec["probes"] if p is not None)
         ax.plot([p[0] for p in points], [p[1] for p in points], STYLES.get(rec["name"], "x-"),

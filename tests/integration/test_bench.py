@@ -312,6 +312,30 @@ def test_max_seq_table_compares_arms_searched_with_the_same_steps_per_probe():
         ("1", "deepspeed", "8K", "**1.00**"), ("3", "deepspeed", "4K", "**1.00**"), ("3", "ours", "16K", "**4.00**")]
 
 
+def test_max_seq_table_and_plot_show_each_arms_latest_search(monkeypatch, tmp_path):
+    """An arm searched again (a rerun at a later commit) replaces its earlier search in both the table
+    and the plot, so the plot's lines are the table's rows."""
+    from benchmarks import report
+
+    def rec(name, max_seq, peak):
+        return {"kind": "maxseq", "name": name, "budget": 2 << 30, "sp": 2, "probe_steps": 3, "max_seq": max_seq,
+                "next_failed": max_seq + 1024, "probes": [[max_seq, peak], [max_seq + 1024, None]], "seconds": 60.0}
+
+    records = [rec("ours", 21504, 1 << 30), rec("deepspeed", 5120, 1 << 30), rec("ours", 19456, 3 << 29)]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in maxseq.format_maxseq(records).splitlines()[2:]]
+    assert [(r[3], r[4]) for r in rows] == [("deepspeed", "5K"), ("ours", "19K")]
+    drawn = {}
+
+    def keep(fig, ax, ylabel, path):
+        drawn.update({line.get_label(): list(zip(line.get_xdata(), line.get_ydata())) for line in ax.get_lines()
+                      if not line.get_label().startswith("_")})
+        return path
+
+    monkeypatch.setattr(report, "save_seq_plot", keep)
+    maxseq.plot_maxseq(records, tmp_path / "max_seq.png")
+    assert drawn == {"deepspeed sp=2: 5120": [(5120, 1.0)], "ours sp=2: 19456": [(19456, 1.5)]}
+
+
 def test_profile_sets_arms_side_by_side_only_within_a_run():
     """DeepSpeed profiled in two runs (one on a slow day) and the drop-in in one: the drop-in's
     difference row is taken against DeepSpeed of its own run, and each run has its own rows."""
