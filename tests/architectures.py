@@ -795,7 +795,9 @@ def summary(rec: dict) -> str:
 
 
 def write_reports(records: list, out: str, header: str = "") -> str:
-    """``out`` as JSON lines, and ``out`` with ``.md``: counts, then one table per cause."""
+    """``out`` as JSON lines, and ``out`` with ``.md``: counts, then one table per cause (``out``'s
+    directory is made if missing)."""
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         for rec in records:
             f.write(json.dumps(rec, default=str) + "\n")

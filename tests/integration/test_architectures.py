@@ -8,9 +8,12 @@ real cause.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from tests.architectures import run_cases, summary
+from tests.architectures import run_cases, summary, write_reports
 
 DROPIN = [
     "llama", "qwen3", "gemma3_text", "cohere", "granite", "gpt_neox", "phi",
@@ -64,3 +67,13 @@ def test_dropin_api_is_exact_or_refuses(name, dropin_results):
 @pytest.mark.parametrize("case", ENGINE)
 def test_initialize_tiled_loss_is_exact_or_refuses(case, engine_results):
     _check(engine_results[case])
+
+
+def test_the_sweep_writes_its_reports_into_a_directory_it_makes(tmp_path):
+    """``--out runs/sweep/architectures.jsonl`` on a fresh checkout: the reports land there (the sweep used
+    to run for minutes and then fail on the missing directory)."""
+    out = tmp_path / "runs" / "sweep" / "architectures.jsonl"
+    rec = {"model": "llama", "mode": "dropin", "status": "exact", "steps": {}}
+    md = write_reports([rec], str(out))
+    assert [json.loads(line) for line in out.read_text().splitlines()] == [rec]
+    assert "llama" in Path(md).read_text()
