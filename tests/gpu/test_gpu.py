@@ -98,7 +98,7 @@ def _engine_step(rank, world_size, sp, stage):
     ref = copy.deepcopy(model)
     sample = make_sample(7, 64)
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "zero_allow_untested_optimizer": True,
               "ulysses": {"sequence_parallel_size": sp, "tiled_loss": {"enabled": True, "shards": 3},
                           "tiled_mlp": {"enabled": True, "shards": 2}}}
     data = [{"input_ids": sample["input_ids"][0], "labels": sample["labels"][0]}] * world_size
@@ -153,7 +153,8 @@ def test_checkpoint_offload_moves_saved_layer_inputs_to_the_host_and_back():
         offload._to_host = original
     ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref(input_ids=ids, labels=ids).loss.backward()
-    assert moved and all(m == ("cuda", "cpu", True) for m in moved), moved
+    # what lives on CUDA goes to pinned host memory; a CPU tensor the layer saves stays as it is
+    assert ("cuda", "cpu", True) in moved and set(moved) <= {("cuda", "cpu", True), ("cpu", "cpu", False)}, moved
     for p, q in zip(model.parameters(), ref.parameters()):
         assert rel_err(p.grad, q.grad) <= 1e-5
 

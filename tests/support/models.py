@@ -10,11 +10,12 @@ VOCAB = 128
 
 def tiny_config(family: str = "llama", heads: int = 4, kv_heads: int | None = None, head_dim: int = 8,
                 layers: int = 2, attn: str = "sdpa", **extra):
-    """A tiny config of the Transformers model type ``family`` (llama, qwen2, mistral, cohere, ...)."""
-    cfg = AutoConfig.for_model(
-        family, vocab_size=VOCAB, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
-        head_dim=head_dim, max_position_embeddings=4096, tie_word_embeddings=False, **extra)
+    """A tiny config of the Transformers model type ``family`` (llama, qwen2, mistral, cohere, ...);
+    ``extra`` fields override the tiny defaults (``vocab_size=32000``)."""
+    fields = dict(vocab_size=VOCAB, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
+                  head_dim=head_dim, max_position_embeddings=4096, tie_word_embeddings=False)
+    cfg = AutoConfig.for_model(family, **{**fields, **extra})
     cfg._attn_implementation = attn
     return cfg
 
