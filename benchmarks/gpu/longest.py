@@ -1,5 +1,6 @@
-"""One GPU, one long sequence: the longest sequence that trains one step, and tokens/s there, for our
-defaults and for DeepSpeed's own ALST recipe, in the spirit of the ALST paper's single-H100 row.
+"""One GPU, one long sequence: the longest sequence that trains, and the step time and peak memory at
+given lengths, for our defaults and for DeepSpeed's own ALST recipe, in the spirit of the ALST paper's
+single-H100 row.
 
 Both train the same Llama-3-style model built from its config (random weights: nothing is downloaded),
 bf16, ZeRO-3 with the optimizer offloaded to the CPU, one sequence per step, sp 1:
@@ -9,10 +10,14 @@ bf16, ZeRO-3 with the optimizer offloaded to the CPU, one sequence per step, sp 
   with the MLP's weights as ``compute_params``, the loss through its ``TiledFusedLogitsLoss``, and
   Transformers' gradient checkpointing (DeepSpeed's module has no checkpoint offload of its own).
 
-Each trial is a fresh process (an out-of-memory step leaves nothing behind); the search doubles S until
-a step fails, then bisects to ``--resolution`` tokens. Run on the GPU machine:
+Each trial is a fresh process (an out-of-memory step leaves nothing behind) that trains ``--steps``
+steps (default 3) and reports each one's forward, backward and optimizer seconds; the time is the last
+step's, since the first pays one-off costs (pinned host buffers, kernel selection). The search doubles S
+until a trial fails, then bisects to ``--resolution`` tokens; ``--at S ...`` instead runs both at those
+lengths and prints ours / deepspeed for time and memory. Run on the GPU machine:
 
     python -m benchmarks.gpu.longest --model llama-3.2-3b --out benchmarks/results/gpu.jsonl
+    python -m benchmarks.gpu.longest --model llama-3.2-1b --at 65536 262144
 
 and see benchmarks/gpu/README.md for an install without a package index.
 
@@ -110,8 +115,31 @@ def _deepspeed(model, seq_len):
     return engine, lambda: engine(**sample)
 
 
-def trial(impl: str, model_name: str, seq_len: int, attn: str) -> dict:
-    """One step at ``seq_len`` in this process (run through :func:`launch`)."""
+def timed_steps(engine, forward, steps: int, sync) -> tuple[list[list[float]], list[float]]:
+    """``steps`` training steps; each one's [forward, backward, optimizer] seconds (``sync()`` waits for the
+    device before each clock read) and its loss."""
+    phases, losses = [], []
+    for _ in range(steps):
+        sync()
+        clock = [time.perf_counter()]
+        loss = forward()
+        sync()
+        clock.append(time.perf_counter())
+        engine.backward(loss)
+        sync()
+        clock.append(time.perf_counter())
+        engine.step()
+        sync()
+        clock.append(time.perf_counter())
+        phases.append([round(b - a, 3) for a, b in zip(clock, clock[1:])])
+        losses.append(float(loss))
+    return phases, losses
+
+
+def trial(impl: str, model_name: str, seq_len: int, attn: str, steps: int) -> dict:
+    """``steps`` steps at ``seq_len`` in this process (run through :func:`launch`). Time is the last step's:
+    the first pays one-off costs (pinned host buffers, kernel selection, the optimizer's first touch of
+    its states) that a training run pays once; the first is reported too. Peak memory is over all."""
     import deepspeed
     import torch
 
@@ -121,23 +149,19 @@ def trial(impl: str, model_name: str, seq_len: int, attn: str) -> dict:
     engine, forward = (_ours if impl == "ours" else _deepspeed)(model, seq_len)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    loss = forward()
-    engine.backward(loss)
-    engine.step()
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    return {"impl": impl, "model": model_name, "seq_len": seq_len, "ok": True, "loss": float(loss),
-            "seconds": seconds, "tokens_per_s": seq_len / seconds,
+    phases, losses = timed_steps(engine, forward, steps, torch.cuda.synchronize)
+    seconds = sum(phases[-1])
+    return {"impl": impl, "model": model_name, "seq_len": seq_len, "ok": True, "loss": losses[0],
+            "steps": phases, "first_step_s": sum(phases[0]), "seconds": seconds, "tokens_per_s": seq_len / seconds,
             "peak_gib": torch.cuda.max_memory_allocated() / (1 << 30)}
 
 
-def launch(impl: str, model_name: str, seq_len: int, attn: str, timeout: float) -> dict:
+def launch(impl: str, model_name: str, seq_len: int, attn: str, timeout: float, steps: int = 3) -> dict:
     """:func:`trial` in a fresh process; a crash or out-of-memory is a failed trial, not an error."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29511"),
            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     cmd = [sys.executable, "-m", "benchmarks.gpu.longest", "--trial", impl, "--model", model_name,
-           "--seq-len", str(seq_len), "--attn", attn]
+           "--seq-len", str(seq_len), "--attn", attn, "--steps", str(steps)]
     root = Path(__file__).resolve().parents[2]
     try:
         done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
@@ -150,11 +174,11 @@ def launch(impl: str, model_name: str, seq_len: int, attn: str, timeout: float) 
     return {"impl": impl, "model": model_name, "seq_len": seq_len, "ok": False, "why": tail[0][:300]}
 
 
-def longest(impl, model_name, start, resolution, attn, timeout, log) -> tuple[int, list[dict]]:
+def longest(impl, model_name, start, resolution, attn, timeout, log, steps=3) -> tuple[int, list[dict]]:
     """Double from ``start`` until a step fails, then bisect: the longest S that trains, and every trial."""
     trials, good, bad, s = [], 0, None, start
     while bad is None:
-        result = launch(impl, model_name, s, attn, timeout)
+        result = launch(impl, model_name, s, attn, timeout, steps)
         trials.append(result)
         log(result)
         good, bad, s = (s, None, 2 * s) if result["ok"] else (good, s, s)
@@ -162,11 +186,29 @@ def longest(impl, model_name, start, resolution, attn, timeout, log) -> tuple[in
         mid = (good + bad) // 2 // resolution * resolution or resolution
         if mid in (good, bad):
             break
-        result = launch(impl, model_name, mid, attn, timeout)
+        result = launch(impl, model_name, mid, attn, timeout, steps)
         trials.append(result)
         log(result)
         good, bad = (mid, bad) if result["ok"] else (good, mid)
     return good, trials
+
+
+def side_by_side(impls, model_name, seq_lens, attn, timeout, log, steps=3) -> dict:
+    """Each implementation at each length (no search): {S: {impl: trial}}."""
+    return {s: {impl: log(launch(impl, model_name, s, attn, timeout, steps)) for impl in impls} for s in seq_lens}
+
+
+def _ratios(by_len: dict) -> list[str]:
+    lines = []
+    for s, arms in by_len.items():
+        cells = [f"{impl} " + (f"{t['seconds']:.2f} s/step (first {t['first_step_s']:.2f}), {t['peak_gib']:.1f} GiB"
+                               if t["ok"] else f"failed ({t['why'][:60]})") for impl, t in arms.items()]
+        ours, theirs = arms.get("ours"), arms.get("deepspeed")
+        if ours and theirs and ours["ok"] and theirs["ok"]:
+            cells.append(f"ours / deepspeed: time {ours['seconds'] / theirs['seconds']:.2f}, "
+                         f"memory {ours['peak_gib'] / theirs['peak_gib']:.2f}")
+        lines.append(f"  S={s:>9,}: " + "; ".join(cells))
+    return lines
 
 
 def main(argv=None) -> int:
@@ -175,28 +217,45 @@ def main(argv=None) -> int:
     parser.add_argument("--impl", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS))
     parser.add_argument("--start", type=int, default=32768, help="first sequence length tried")
     parser.add_argument("--resolution", type=int, default=16384, help="bisect until this close")
+    parser.add_argument("--at", type=int, nargs="+", metavar="S",
+                        help="no search: each implementation at these lengths, side by side, with the ratios")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="steps per trial; time is the last one's, the first is reported beside it")
     parser.add_argument("--attn", default="sdpa", help="sdpa or flash_attention_2 (needs flash-attn)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per trial")
     parser.add_argument("--out", default="benchmarks/results/gpu.jsonl", help="every trial, as JSON lines")
     parser.add_argument("--trial", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
     parser.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
     if args.trial:  # inside one trial's process
-        print(json.dumps(trial(args.trial, args.model, args.seq_len, args.attn)), flush=True)
+        print(json.dumps(trial(args.trial, args.model, args.seq_len, args.attn, args.steps)), flush=True)
         return 0
+    import torch
+
+    from benchmarks.bench import stamp
+
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    where = {**stamp(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
 
     def log(result):
         with out.open("a") as f:
-            f.write(json.dumps({**result, "date": time.strftime("%Y-%m-%d")}) + "\n")
-        state = (f"ok, {result['tokens_per_s']:,.0f} tok/s, {result['peak_gib']:.1f} GiB" if result["ok"]
-                 else f"failed: {result['why']}")
+            f.write(json.dumps({**result, **where, "steps_per_trial": args.steps}) + "\n")
+        state = (f"ok, {result['seconds']:.2f} s/step, {result['tokens_per_s']:,.0f} tok/s, "
+                 f"{result['peak_gib']:.1f} GiB" if result["ok"] else f"failed: {result['why']}")
         print(f"{result['impl']:>9} S={result['seq_len']:>9,}: {state}", flush=True)
+        return result
 
-    best = {impl: longest(impl, args.model, args.start, args.resolution, args.attn, args.timeout, log)
+    setting = f"{args.model}, {where['gpu']}, bf16, ZeRO-3 + CPU optimizer, last of {args.steps} steps"
+    if args.at:
+        by_len = side_by_side(args.impl, args.model, args.at, args.attn, args.timeout, log, args.steps)
+        print(f"\nside by side ({setting}):", *_ratios(by_len), sep="\n")
+        return 0
+    best = {impl: longest(impl, args.model, args.start, args.resolution, args.attn, args.timeout, log, args.steps)
             for impl in args.impl}
-    print(f"\nlongest sequence that trains one step ({args.model}, one GPU, bf16, ZeRO-3 + CPU optimizer):")
+    print(f"\nlongest sequence that trains ({setting}):")
     for impl, (s, trials) in best.items():
         speed = next((t["tokens_per_s"] for t in trials if t["ok"] and t["seq_len"] == s), float("nan"))
         print(f"  {impl:>9}: {s:>10,} tokens, {speed:,.0f} tokens/s")

@@ -376,3 +376,61 @@ def test_records_say_on_what_machine_and_at_what_commit_they_were_measured():
     assert rows == ["| not recorded | not recorded | step | 1 | 2026-11-24 11:08 to 2026-11-24 11:08 |",
                     "| Some CPU, 2 CPUs, 23.4 GiB | `abc1234` | layer, tiled | 2 "
                     "| 2026-11-26 13:00 to 2026-11-26 13:00 |"]
+
+
+def test_gpu_benchmark_times_each_step_of_real_training():
+    """benchmarks.gpu.longest's step loop trains: three steps of its loop leave the same weights as three
+    plain SGD steps, and each step comes back as [forward, backward, optimizer] seconds."""
+    from benchmarks.gpu.longest import timed_steps
+
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(4, 1), torch.randn(8, 4)
+    ref = torch.nn.Linear(4, 1)
+    ref.load_state_dict(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = argparse.Namespace(backward=lambda loss: loss.backward(),
+                                step=lambda: (optimizer.step(), optimizer.zero_grad()))
+    syncs = []
+    phases, losses = timed_steps(engine, lambda: model(x).square().mean(), 3, lambda: syncs.append(1))
+    want = []
+    for _ in range(3):
+        loss = ref(x).square().mean()
+        want.append(float(loss))
+        loss.backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+    assert losses == pytest.approx(want, rel=1e-6)
+    assert all(torch.allclose(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    assert len(phases) == 3 and all(len(step) == 3 and min(step) >= 0 for step in phases)
+    assert len(syncs) == 3 * 4  # the device is waited for before every clock read
+
+
+def test_gpu_benchmark_side_by_side_prints_ratios_and_stamps_every_trial(monkeypatch, tmp_path, capsys):
+    """--at runs each implementation at each length (steps passed on), records every trial with where and
+    when, and prints ours / deepspeed for time (last step) and memory; a failed trial prints why."""
+    from benchmarks.gpu import longest
+
+    asked = []
+
+    def fake_launch(impl, model, seq_len, attn, timeout, steps):
+        asked.append((impl, seq_len, steps))
+        if seq_len > 1000 and impl == "deepspeed":
+            return {"impl": impl, "model": model, "seq_len": seq_len, "ok": False, "why": "CUDA out of memory"}
+        seconds = {"ours": 3.0, "deepspeed": 4.0}[impl]
+        return {"impl": impl, "model": model, "seq_len": seq_len, "ok": True, "seconds": seconds,
+                "first_step_s": 2 * seconds, "tokens_per_s": seq_len / seconds,
+                "peak_gib": {"ours": 4.0, "deepspeed": 8.0}[impl], "steps": [[seconds, 0.0, 0.0]] * steps}
+
+    monkeypatch.setattr(longest, "launch", fake_launch)
+    out = tmp_path / "gpu.jsonl"
+    assert longest.main(["--model", "llama-3.2-1b", "--at", "512", "2048", "--steps", "2", "--out", str(out)]) == 0
+    assert asked == [("ours", 512, 2), ("deepspeed", 512, 2), ("ours", 2048, 2), ("deepspeed", 2048, 2)]
+    printed = capsys.readouterr().out
+    assert "ours / deepspeed: time 0.75, memory 0.50" in printed
+    assert "deepspeed failed (CUDA out of memory)" in printed
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 4 and all(r["commit"] == bench.commit() and r["steps_per_trial"] == 2 for r in records)
+    with pytest.raises(SystemExit):
+        longest.main(["--at", "512", "--steps", "0", "--out", str(out)])
