@@ -10,7 +10,7 @@ from torch.autograd import Function
 
 from .tile_grads import TileGrads
 from .tiles import agree_on_shards, auto_mlp_shards, one_grad_per_input, positive_int, seq_tile, tile_bounds, \
-    trainable_params, zero3_whole
+    trainable_params, zero3_fetch_with, zero3_whole
 
 __all__ = ["TiledMLP"]
 
@@ -27,12 +27,14 @@ class TiledMLP(Function):
     [self.up_proj.weight, ...])`, also from inside the MLP's own hooked `forward` under ZeRO-3); None
     means every trainable parameter of `module`. Their gradients leave the Function once per backward
     (see `tile_grads`); a trainable parameter `fn` uses that is not listed gets its gradient in `.grad`
-    directly, which is refused under DeepSpeed ZeRO.
+    directly, which is refused under DeepSpeed ZeRO. Under ZeRO-3 the declared parameters are fetched
+    with `module` from its second call on (`tiles.zero3_fetch_with`), as ZeRO fetches DeepSpeed's.
     """
 
     @classmethod
     def apply(cls, fn, module, x, shards, compute_params):
         params = trainable_params(compute_params, [module])
+        zero3_fetch_with(module, params)
         with zero3_whole(params):
             return super().apply(fn, module, x, shards, compute_params, *params)
 

@@ -5,9 +5,11 @@ ZeRO-3: a declared parameter must be whole while the Function records its inputs
 returned gradient against the shape it saw) and while the tiles run. :func:`zero3_whole` gathers only
 the declared parameters ZeRO has not made available itself and partitions only those afterwards;
 the ones ZeRO's module hooks fetched (the enclosing module's, when the Function runs inside a hooked
-``forward``) stay under ZeRO's control. Each tile's submodule calls still go through ZeRO's hooks,
-which may gather collectively, so every rank must run the same number of tiles: resolve ``shards``
-with :func:`agree_on_shards`; tiles are never skipped, empty ones included.
+``forward``) stay under ZeRO's control. :func:`zero3_fetch_with` hands a TiledMLP's weights to ZeRO's
+fetching with its module, so that from the second call on there is nothing left for it to gather.
+Each tile's submodule calls still go through ZeRO's hooks, which may gather collectively, so every
+rank must run the same number of tiles: resolve ``shards`` with :func:`agree_on_shards`; tiles are
+never skipped, empty ones included.
 
 Dimensions: bs batch, sl sequence, sl_t one tile of the sequence, h hidden, v vocab,
 n = bs*sl flattened tokens, n_t one tile of them.
@@ -25,8 +27,8 @@ from torch import nn
 from ..distributed.collectives import all_reduce_max
 
 __all__ = ["DEFAULT_LOGITS_BUDGET_BYTES", "auto_mlp_shards", "auto_loss_shards", "resolve_loss_shards",
-           "agree_on_shards", "weight_rows", "seq_tile", "tile_bounds", "trainable_params", "zero3_whole",
-           "zero3_whole_at_accumulation", "one_grad_per_input", "positive_int", "storage_holders"]
+           "agree_on_shards", "weight_rows", "seq_tile", "tile_bounds", "trainable_params", "zero3_fetch_with",
+           "zero3_whole", "zero3_whole_at_accumulation", "one_grad_per_input", "positive_int", "storage_holders"]
 
 # 128 MiB of logits per tile (2**25 fp32 values): 1024 tokens at a 32K vocab, 256 at 128K, still a
 # large matmul on a GPU, while the tile's logits, log-softmax and grad stay small beside the activations
@@ -136,6 +138,28 @@ def zero3_whole(params):
         ours = [p for p in missing if p.ds_status == status.AVAILABLE and not p.ds_active_sub_modules]
         if ours:
             ours[0].partition(param_list=ours)
+
+
+def zero3_fetch_with(module, params):
+    """From the next call on, have ZeRO-3 fetch the partitioned `params` together with `module`'s own
+    parameters, before its forward and before its backward, and release them when the module is done
+    (``deepspeed.zero.register_external_parameter``; ZeRO does the same by itself when a module's forward
+    reads another module's partitioned parameter, which is how DeepSpeed's TiledMLP recipe gets it).
+    For a TiledMLP whose declared weights belong to the MLP's submodules this means one coalesced,
+    prefetchable gather per pass instead of a blocking one (``param.all_gather`` synchronizes the
+    device) when the Function starts, one per tile and submodule call when ZeRO releases after each,
+    and one more per weight when autograd accumulates its gradient after ZeRO has released it. The
+    call inside the module's forward that registers them is served by :func:`zero3_whole`. A no-op
+    without ZeRO-3 parameters or for a module ZeRO does not manage."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned or not isinstance(module, nn.Module) or not hasattr(module, "ds_id"):
+        return
+    import deepspeed  # imported already: ZeRO-3 parameters exist
+
+    own = {id(p) for p in module.parameters(recurse=False)}
+    for param in partitioned:
+        if id(param) not in own:
+            deepspeed.zero.register_external_parameter(module, param)
 
 
 def zero3_whole_at_accumulation(params):

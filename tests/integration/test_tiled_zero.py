@@ -8,7 +8,8 @@ the model's ``forward``, ZeRO-3 with its default persistence thresholds. Beyond 
 to the embedding, gradient accumulation (the engine scales each micro-batch's loss by 1/GAS, an
 incoming gradient of 0.5 that DeepSpeed's own fused loss ignores for parameters), two optimizer
 steps (ZeRO-3 releases parameters by its recorded trace from the second), ranks of different lengths
-agreeing on "auto" tile counts, and a Llama with ``tile_mlps`` and activation-checkpoint offload.
+agreeing on "auto" tile counts, a Llama with ``tile_mlps`` and activation-checkpoint offload, and the
+parameter elements ZeRO-3 gathers per step for it against DeepSpeed's TiledMLP recipe (no more).
 
 Every scenario of a ZeRO stage runs in one 2-rank launch (an engine launch costs 20-40 s here).
 
@@ -279,6 +280,77 @@ def _llama_scenario(rank, world_size, steps=2):
     return result
 
 
+def _count_gathers(module):
+    """Counts, per parameter gather ZeRO-3 makes, the elements it brings in; `direct` counts the blocking
+    per-parameter ``param.all_gather`` calls (each synchronizes the device on a GPU), `coalesced` the
+    coordinator's ``all_gather_coalesced`` elements. Wraps the methods ZeRO attaches to each parameter."""
+    counts = {"direct": 0, "elements": 0}
+    for param in module.parameters():
+        for method in ("all_gather", "all_gather_coalesced"):
+            original = getattr(param, method)
+
+            def counting(param_list=None, *args, _original=original, _param=param, _method=method, **kwargs):
+                params = [_param] if param_list is None else param_list
+                counts["elements"] += sum(p.ds_numel for p in params if p.ds_status.name == "NOT_AVAILABLE")
+                counts["direct"] += _method == "all_gather"
+                return _original(param_list, *args, **kwargs)
+
+            setattr(param, method, counting)
+    return counts
+
+
+def _gathers_scenario(rank, steps=3):
+    """Parameter elements ZeRO-3 gathers in a training step (the last of `steps`) with our tile_mlps and
+    checkpoint offload, and with DeepSpeed's TiledMLP recipe (its TiledMLP on every MLP with the three
+    weights as compute_params, gradient checkpointing), on the same Llama, ZeRO-3 told to release every
+    parameter after each use (as it does for a model too large to keep any). Losses compared too."""
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP as DeepSpeedTiledMLP
+
+    from ds_ulysses import enable_activation_checkpoint_offload
+    from ds_ulysses.memory import tile_mlps, untile_mlps
+    from tests.support.models import tiny_config, tiny_model
+
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
+                                    "stage3_prefetch_bucket_size": 0}}
+
+    def deepspeed_recipe(model):
+        def forward(mlp, x):
+            def fn(m, tile):
+                return m.down_proj(m.act_fn(m.gate_proj(tile)) * m.up_proj(tile))
+
+            return DeepSpeedTiledMLP.apply(fn, mlp, x, 4, [mlp.gate_proj.weight, mlp.up_proj.weight,
+                                                          mlp.down_proj.weight])
+
+        for layer in model.model.layers:
+            layer.mlp.forward = forward.__get__(layer.mlp)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def ours(model):
+        tile_mlps(model, shards=4)
+        enable_activation_checkpoint_offload(model)
+
+    result = {}
+    for name, setup in (("deepspeed", deepspeed_recipe), ("ours", ours)):
+        model = tiny_model(tiny_config("llama", heads=4, kv_heads=2, head_dim=16, layers=4)).train()
+        setup(model)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                          config=config)
+        counts = _count_gathers(engine.module)
+        ids = torch.randint(0, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(rank))
+        for _ in range(steps):
+            counts.update(direct=0, elements=0)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+        result[name] = {**counts, "loss": loss.detach()}
+        untile_mlps(model)
+    result["loss error"] = rel(result["ours"].pop("loss"), result["deepspeed"].pop("loss"))
+    return result
+
+
 def stage_worker(rank, world_size, stage):
     errors = _deepspeed_scenarios(rank, stage)
     tied_errors, tied_names = _tied_accumulation_scenario(rank, stage)
@@ -286,6 +358,7 @@ def stage_worker(rank, world_size, stage):
     llama = _llama_scenario(rank, world_size) if stage == 3 else None
     return {"errors": errors, "tied": tied_errors, "tied_names": tied_names, "ragged": ragged_errors,
             "partitioned": partitioned, "mlp_tiles": mlp_tiles, "llama": llama,
+            "gathers": _gathers_scenario(rank) if stage == 3 else None,
             "undeclared": _undeclared_parameter_is_refused(stage)}
 
 
@@ -319,3 +392,10 @@ def test_tiled_functions_in_zero_engines_equal_the_untiled_model(stage):
             assert llama["errors"].pop("loss") <= TOL
             bad = {n: e for n, e in llama["errors"].items() if e > 1e-4}
             assert not bad, f"rank {rank}: Llama gradients differ from plain torch: {bad}"
+            # ZeRO fetches the MLP weights with the MLP, once per pass, as for DeepSpeed's recipe: no blocking
+            # per-parameter gather, none per tile and no second gather when their gradients are accumulated
+            gathers = result["gathers"]
+            assert gathers.pop("loss error") <= TOL
+            assert gathers["deepspeed"]["elements"] > 0, "ZeRO-3 gathered nothing: the scenario did not release"
+            assert gathers["ours"]["direct"] == 0, gathers
+            assert gathers["ours"]["elements"] <= gathers["deepspeed"]["elements"], gathers
