@@ -300,13 +300,15 @@ def _count_gathers(module):
 
 
 def _gathers_scenario(rank, steps=3):
-    """Parameter elements ZeRO-3 gathers in a training step (the last of `steps`) with our tile_mlps and
-    checkpoint offload, and with DeepSpeed's TiledMLP recipe (its TiledMLP on every MLP with the three
-    weights as compute_params, gradient checkpointing), on the same Llama, ZeRO-3 told to release every
-    parameter after each use (as it does for a model too large to keep any). Losses compared too."""
+    """Parameter elements ZeRO-3 gathers in a training step (the last of `steps`) on the same Llama, ZeRO-3
+    told to release every parameter after each use (as it does for a model too large to keep any), for
+    two pairs: our tile_mlps with checkpoint offload against DeepSpeed's TiledMLP recipe (its TiledMLP on
+    every MLP with the three weights as compute_params) with gradient checkpointing; and
+    sequence_tiled_compute on every MLP called DeepSpeed's way, ours against DeepSpeed's. Losses too."""
     import deepspeed
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP as DeepSpeedTiledMLP
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
 
+    import ds_ulysses
     from ds_ulysses import enable_activation_checkpoint_offload
     from ds_ulysses.memory import tile_mlps, untile_mlps
     from tests.support.models import tiny_config, tiny_model
@@ -316,24 +318,39 @@ def _gathers_scenario(rank, steps=3):
                                     "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
                                     "stage3_prefetch_bucket_size": 0}}
 
-    def deepspeed_recipe(model):
-        def forward(mlp, x):
-            def fn(m, tile):
-                return m.down_proj(m.act_fn(m.gate_proj(tile)) * m.up_proj(tile))
+    def mlp_fn(m, tile):
+        return m.down_proj(m.act_fn(m.gate_proj(tile)) * m.up_proj(tile))
 
-            return DeepSpeedTiledMLP.apply(fn, mlp, x, 4, [mlp.gate_proj.weight, mlp.up_proj.weight,
-                                                          mlp.down_proj.weight])
+    def weights(mlp):
+        return [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+
+    def tiled_mlp_recipe(model):
+        def forward(mlp, x):
+            return ulysses_sp.TiledMLP.apply(mlp_fn, mlp, x, 4, weights(mlp))
 
         for layer in model.model.layers:
             layer.mlp.forward = forward.__get__(layer.mlp)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    def ours(model):
+    def ours_tile_mlps(model):
         tile_mlps(model, shards=4)
         enable_activation_checkpoint_offload(model)
 
+    def stc(library):
+        def setup(model):
+            def forward(mlp, x):
+                return library.sequence_tiled_compute(mlp_fn, x.shape[1], 4, {"tile": x}, {"m": mlp}, "tile",
+                                                      weights(mlp), output_unshard_dimension=1,
+                                                      output_reduction=None)
+
+            for layer in model.model.layers:
+                layer.mlp.forward = forward.__get__(layer.mlp)
+        return setup
+
+    arms = {"deepspeed TiledMLP": tiled_mlp_recipe, "ours tile_mlps": ours_tile_mlps,
+            "deepspeed stc": stc(ulysses_sp), "ours stc": stc(ds_ulysses)}
     result = {}
-    for name, setup in (("deepspeed", deepspeed_recipe), ("ours", ours)):
+    for name, setup in arms.items():
         model = tiny_model(tiny_config("llama", heads=4, kv_heads=2, head_dim=16, layers=4)).train()
         setup(model)
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
@@ -347,7 +364,9 @@ def _gathers_scenario(rank, steps=3):
             engine.step()
         result[name] = {**counts, "loss": loss.detach()}
         untile_mlps(model)
-    result["loss error"] = rel(result["ours"].pop("loss"), result["deepspeed"].pop("loss"))
+    for pair in ("TiledMLP", "stc"):
+        ours = "ours tile_mlps" if pair == "TiledMLP" else "ours stc"
+        result[f"{pair} loss error"] = rel(result[ours].pop("loss"), result[f"deepspeed {pair}"].pop("loss"))
     return result
 
 
@@ -395,7 +414,16 @@ def test_tiled_functions_in_zero_engines_equal_the_untiled_model(stage):
             # ZeRO fetches the MLP weights with the MLP, once per pass, as for DeepSpeed's recipe: no blocking
             # per-parameter gather, none per tile and no second gather when their gradients are accumulated
             gathers = result["gathers"]
-            assert gathers.pop("loss error") <= TOL
-            assert gathers["deepspeed"]["elements"] > 0, "ZeRO-3 gathered nothing: the scenario did not release"
-            assert gathers["ours"]["direct"] == 0, gathers
-            assert gathers["ours"]["elements"] <= gathers["deepspeed"]["elements"], gathers
+            for ours, theirs in (("ours tile_mlps", "deepspeed TiledMLP"), ("ours stc", "deepspeed stc")):
+                assert gathers.pop(f"{theirs.split()[1]} loss error") <= TOL
+                assert gathers[theirs]["elements"] > 0, "ZeRO-3 gathered nothing: the scenario did not release"
+                assert gathers[ours]["direct"] == 0, gathers
+                assert gathers[ours]["elements"] <= gathers[theirs]["elements"], gathers
+
+
+def gathers_worker(rank, world_size):
+    return _gathers_scenario(rank)
+
+
+if __name__ == "__main__":  # python -m tests.integration.test_tiled_zero: the gathers scenario's counts, rank 0
+    print(run_distributed(gathers_worker, 2, timeout=600)[0])
