@@ -9,7 +9,8 @@ to the embedding, gradient accumulation (the engine scales each micro-batch's lo
 incoming gradient of 0.5 that DeepSpeed's own fused loss ignores for parameters), two optimizer
 steps (ZeRO-3 releases parameters by its recorded trace from the second), ranks of different lengths
 agreeing on "auto" tile counts, a Llama with ``tile_mlps`` and activation-checkpoint offload, and the
-parameter elements ZeRO-3 gathers per step for it against DeepSpeed's TiledMLP recipe (no more).
+parameter elements ZeRO-3 gathers per step for it against DeepSpeed's TiledMLP recipe, and for
+``sequence_tiled_compute`` against DeepSpeed's (no more, and no blocking gather).
 
 Every scenario of a ZeRO stage runs in one 2-rank launch (an engine launch costs 20-40 s here).
 
@@ -281,9 +282,10 @@ def _llama_scenario(rank, world_size, steps=2):
 
 
 def _count_gathers(module):
-    """Counts, per parameter gather ZeRO-3 makes, the elements it brings in; `direct` counts the blocking
-    per-parameter ``param.all_gather`` calls (each synchronizes the device on a GPU), `coalesced` the
-    coordinator's ``all_gather_coalesced`` elements. Wraps the methods ZeRO attaches to each parameter."""
+    """Counts what ZeRO-3 gathers under `module`: `elements`, the parameter elements every gather brings in
+    (the coordinator's ``all_gather_coalesced`` and direct calls alike), and `direct`, the blocking
+    per-parameter ``param.all_gather`` calls (each synchronizes the device on a GPU). Wraps the methods
+    ZeRO attaches to each parameter."""
     counts = {"direct": 0, "elements": 0}
     for param in module.parameters():
         for method in ("all_gather", "all_gather_coalesced"):
