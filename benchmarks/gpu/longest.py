@@ -8,10 +8,15 @@ bf16, ZeRO-3 with the optimizer offloaded to the CPU, one sequence per step, sp 
 - ``ours``: ``ds_ulysses.initialize`` with tiled MLP, tiled loss and activation-checkpoint offload on;
 - ``deepspeed``: DeepSpeed's module as ArcticTraining uses it: every MLP through its ``TiledMLP``
   with the MLP's weights as ``compute_params``, the loss through its ``TiledFusedLogitsLoss``, and
-  Transformers' gradient checkpointing (DeepSpeed's module has no checkpoint offload of its own).
+  Transformers' gradient checkpointing (DeepSpeed's module has no checkpoint offload of its own);
+- ``ours-no-offload`` (not run unless named in ``--impl``): ours with Transformers' gradient
+  checkpointing instead of the checkpoint offload, DeepSpeed's recipe's set of tools, to tell what the
+  offload costs from what the rest of ours does.
 
 Each trial is a fresh process (an out-of-memory step leaves nothing behind) that trains ``--steps``
-steps (default 3) and reports each one's forward, backward and optimizer seconds; the time is the last
+steps (default 3) and reports each one's forward, backward and optimizer seconds, and the pinned host
+blocks torch's allocator had to create in it, with the seconds that took (the offload's host copies and
+the CPU optimizer's transfers go there; a block is created once, then reused); the time is the last
 step's, since the first pays one-off costs (pinned host buffers, kernel selection). The search doubles S
 until a trial fails, then bisects to ``--resolution`` tokens; ``--at S ...`` instead runs both at those
 lengths and prints ours / deepspeed for time and memory. Run on the GPU machine:
@@ -42,7 +47,8 @@ MODELS = {  # Llama-3 family shapes (config numbers only)
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
 }
-IMPLEMENTATIONS = ("ours", "deepspeed")
+IMPLEMENTATIONS = ("ours", "deepspeed", "ours-no-offload")
+DEFAULT_IMPLEMENTATIONS = ("ours", "deepspeed")
 
 
 def ds_config() -> dict:
@@ -69,11 +75,13 @@ def _sample(seq_len: int, vocab: int) -> dict:
     return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(seq_len)[None]}
 
 
-def _ours(model, seq_len):
+def _ours(model, seq_len, offload=True):
     import ds_ulysses
 
     section = {"sequence_parallel_size": 1, "tiled_mlp": {"enabled": True}, "tiled_loss": {"enabled": True},
-               "activation_checkpoint_offload": {"enabled": True}}
+               "activation_checkpoint_offload": {"enabled": offload}}
+    if not offload:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     sample = _sample(seq_len, model.config.vocab_size)
     engine, _, loader, _ = ds_ulysses.initialize(model=model, config={**ds_config(), "ulysses": section},
                                                  training_data=[{k: v[0] for k, v in sample.items()}])
@@ -115,12 +123,24 @@ def _deepspeed(model, seq_len):
     return engine, lambda: engine(**sample)
 
 
-def timed_steps(engine, forward, steps: int, sync) -> tuple[list[list[float]], list[float]]:
+def pinned_host_counts() -> dict:
+    """torch's pinned host allocator so far: blocks created and the seconds spent creating them (zeros where
+    this torch does not count them, or before CUDA is initialised)."""
+    import torch
+
+    stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    return {"pinned_allocs": stats.get("num_host_alloc", 0),
+            "pinned_alloc_s": stats.get("host_alloc_time.total", 0) / 1e6}
+
+
+def timed_steps(engine, forward, steps: int, sync, counts=dict) -> tuple[list[list[float]], list[float], list[dict]]:
     """``steps`` training steps; each one's [forward, backward, optimizer] seconds (``sync()`` waits for the
-    device before each clock read) and its loss."""
-    phases, losses = [], []
+    device before each clock read), its loss, and how much each of the running totals ``counts()`` returns
+    grew in it."""
+    phases, losses, grew = [], [], []
     for _ in range(steps):
         sync()
+        before = counts()
         clock = [time.perf_counter()]
         loss = forward()
         sync()
@@ -132,8 +152,9 @@ def timed_steps(engine, forward, steps: int, sync) -> tuple[list[list[float]], l
         sync()
         clock.append(time.perf_counter())
         phases.append([round(b - a, 3) for a, b in zip(clock, clock[1:])])
-        losses.append(float(loss))
-    return phases, losses
+        losses.append(float(loss.detach()))
+        grew.append({k: round(v - before[k], 6) for k, v in counts().items()})
+    return phases, losses, grew
 
 
 def trial(impl: str, model_name: str, seq_len: int, attn: str, steps: int) -> dict:
@@ -146,14 +167,16 @@ def trial(impl: str, model_name: str, seq_len: int, attn: str, steps: int) -> di
     deepspeed.init_distributed()
     torch.cuda.set_device(0)
     model = _model(model_name, attn)
-    engine, forward = (_ours if impl == "ours" else _deepspeed)(model, seq_len)
+    setups = {"ours": _ours, "deepspeed": _deepspeed,
+              "ours-no-offload": lambda model, seq_len: _ours(model, seq_len, offload=False)}
+    engine, forward = setups[impl](model, seq_len)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    phases, losses = timed_steps(engine, forward, steps, torch.cuda.synchronize)
+    phases, losses, pinned = timed_steps(engine, forward, steps, torch.cuda.synchronize, pinned_host_counts)
     seconds = sum(phases[-1])
     return {"impl": impl, "model": model_name, "seq_len": seq_len, "ok": True, "loss": losses[0],
-            "steps": phases, "first_step_s": sum(phases[0]), "seconds": seconds, "tokens_per_s": seq_len / seconds,
-            "peak_gib": torch.cuda.max_memory_allocated() / (1 << 30)}
+            "steps": phases, "pinned_per_step": pinned, "first_step_s": sum(phases[0]), "seconds": seconds,
+            "tokens_per_s": seq_len / seconds, "peak_gib": torch.cuda.max_memory_allocated() / (1 << 30)}
 
 
 def launch(impl: str, model_name: str, seq_len: int, attn: str, timeout: float, steps: int = 3) -> dict:
@@ -198,15 +221,24 @@ def side_by_side(impls, model_name, seq_lens, attn, timeout, log, steps=3) -> di
     return {s: {impl: log(launch(impl, model_name, s, attn, timeout, steps)) for impl in impls} for s in seq_lens}
 
 
+def _cell(impl: str, t: dict) -> str:
+    if not t["ok"]:
+        return f"{impl} failed ({t['why'][:60]})"
+    first = t.get("pinned_per_step", [{}])[0]
+    pinned = (f", {first['pinned_alloc_s']:.2f} s of it creating {first['pinned_allocs']} pinned host blocks"
+              if first.get("pinned_allocs") else "")
+    return f"{impl} {t['seconds']:.2f} s/step (first {t['first_step_s']:.2f}{pinned}), {t['peak_gib']:.1f} GiB"
+
+
 def _ratios(by_len: dict) -> list[str]:
     lines = []
     for s, arms in by_len.items():
-        cells = [f"{impl} " + (f"{t['seconds']:.2f} s/step (first {t['first_step_s']:.2f}), {t['peak_gib']:.1f} GiB"
-                               if t["ok"] else f"failed ({t['why'][:60]})") for impl, t in arms.items()]
-        ours, theirs = arms.get("ours"), arms.get("deepspeed")
-        if ours and theirs and ours["ok"] and theirs["ok"]:
-            cells.append(f"ours / deepspeed: time {ours['seconds'] / theirs['seconds']:.2f}, "
-                         f"memory {ours['peak_gib'] / theirs['peak_gib']:.2f}")
+        cells = [_cell(impl, t) for impl, t in arms.items()]
+        theirs = arms.get("deepspeed")
+        for impl, ours in arms.items():
+            if impl != "deepspeed" and theirs and ours["ok"] and theirs["ok"]:
+                cells.append(f"{impl} / deepspeed: time {ours['seconds'] / theirs['seconds']:.2f}, "
+                             f"memory {ours['peak_gib'] / theirs['peak_gib']:.2f}")
         lines.append(f"  S={s:>9,}: " + "; ".join(cells))
     return lines
 
@@ -214,7 +246,7 @@ def _ratios(by_len: dict) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu.longest", description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="llama-3.2-3b")
-    parser.add_argument("--impl", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS))
+    parser.add_argument("--impl", nargs="+", choices=IMPLEMENTATIONS, default=list(DEFAULT_IMPLEMENTATIONS))
     parser.add_argument("--start", type=int, default=32768, help="first sequence length tried")
     parser.add_argument("--resolution", type=int, default=16384, help="bisect until this close")
     parser.add_argument("--at", type=int, nargs="+", metavar="S",
@@ -245,7 +277,7 @@ def main(argv=None) -> int:
             f.write(json.dumps({**result, **where, "steps_per_trial": args.steps}) + "\n")
         state = (f"ok, {result['seconds']:.2f} s/step, {result['tokens_per_s']:,.0f} tok/s, "
                  f"{result['peak_gib']:.1f} GiB" if result["ok"] else f"failed: {result['why']}")
-        print(f"{result['impl']:>9} S={result['seq_len']:>9,}: {state}", flush=True)
+        print(f"{result['impl']:>15} S={result['seq_len']:>9,}: {state}", flush=True)
         return result
 
     setting = f"{args.model}, {where['gpu']}, bf16, ZeRO-3 + CPU optimizer, last of {args.steps} steps"
@@ -258,10 +290,11 @@ def main(argv=None) -> int:
     print(f"\nlongest sequence that trains ({setting}):")
     for impl, (s, trials) in best.items():
         speed = next((t["tokens_per_s"] for t in trials if t["ok"] and t["seq_len"] == s), float("nan"))
-        print(f"  {impl:>9}: {s:>10,} tokens, {speed:,.0f} tokens/s")
-    if len(best) == 2 and best["deepspeed"][0]:
-        ours, theirs = best["ours"][0], best["deepspeed"][0]
-        print(f"  ratio ours / deepspeed: {ours / theirs:.2f}x the length")
+        print(f"  {impl:>15}: {s:>10,} tokens, {speed:,.0f} tokens/s")
+    theirs = best.get("deepspeed", (0, []))[0]
+    for impl, (s, _) in best.items():
+        if impl != "deepspeed" and theirs:
+            print(f"  ratio {impl} / deepspeed: {s / theirs:.2f}x the length")
     return 0
 
 

@@ -380,7 +380,8 @@ def test_records_say_on_what_machine_and_at_what_commit_they_were_measured():
 
 def test_gpu_benchmark_times_each_step_of_real_training():
     """benchmarks.gpu.longest's step loop trains: three steps of its loop leave the same weights as three
-    plain SGD steps, and each step comes back as [forward, backward, optimizer] seconds."""
+    plain SGD steps, and each step comes back as [forward, backward, optimizer] seconds, with how much the
+    counters it is given (pinned host blocks created, on a GPU) grew in it."""
     from benchmarks.gpu.longest import timed_steps
 
     torch.manual_seed(0)
@@ -390,8 +391,10 @@ def test_gpu_benchmark_times_each_step_of_real_training():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = argparse.Namespace(backward=lambda loss: loss.backward(),
                                 step=lambda: (optimizer.step(), optimizer.zero_grad()))
-    syncs = []
-    phases, losses = timed_steps(engine, lambda: model(x).square().mean(), 3, lambda: syncs.append(1))
+    syncs, totals = [], iter([0, 2, 2, 3, 3, 4])  # a running total, read before and after each step
+
+    phases, losses, grew = timed_steps(engine, lambda: model(x).square().mean(), 3, lambda: syncs.append(1),
+                                       lambda: {"blocks": next(totals)})
     want = []
     for _ in range(3):
         loss = ref(x).square().mean()
@@ -405,11 +408,13 @@ def test_gpu_benchmark_times_each_step_of_real_training():
     assert all(torch.allclose(p, q) for p, q in zip(model.parameters(), ref.parameters()))
     assert len(phases) == 3 and all(len(step) == 3 and min(step) >= 0 for step in phases)
     assert len(syncs) == 3 * 4  # the device is waited for before every clock read
+    assert grew == [{"blocks": 2}, {"blocks": 1}, {"blocks": 1}]
 
 
 def test_gpu_benchmark_side_by_side_prints_ratios_and_stamps_every_trial(monkeypatch, tmp_path, capsys):
     """--at runs each implementation at each length (steps passed on), records every trial with where and
-    when, and prints ours / deepspeed for time (last step) and memory; a failed trial prints why."""
+    when, and prints ours / deepspeed for time (last step) and memory, and the pinned host blocks a first step
+    created; a failed trial prints why. The diagnostic arm without the offload is run when asked for."""
     from benchmarks.gpu import longest
 
     asked = []
@@ -418,10 +423,12 @@ def test_gpu_benchmark_side_by_side_prints_ratios_and_stamps_every_trial(monkeyp
         asked.append((impl, seq_len, steps))
         if seq_len > 1000 and impl == "deepspeed":
             return {"impl": impl, "model": model, "seq_len": seq_len, "ok": False, "why": "CUDA out of memory"}
-        seconds = {"ours": 3.0, "deepspeed": 4.0}[impl]
+        seconds = {"ours": 3.0, "deepspeed": 4.0, "ours-no-offload": 2.0}[impl]
+        pinned = [{"pinned_allocs": 16 if impl == "ours" else 0, "pinned_alloc_s": 2.5 if impl == "ours" else 0.0}]
         return {"impl": impl, "model": model, "seq_len": seq_len, "ok": True, "seconds": seconds,
                 "first_step_s": 2 * seconds, "tokens_per_s": seq_len / seconds,
-                "peak_gib": {"ours": 4.0, "deepspeed": 8.0}[impl], "steps": [[seconds, 0.0, 0.0]] * steps}
+                "peak_gib": {"ours": 4.0, "deepspeed": 8.0, "ours-no-offload": 6.0}[impl],
+                "steps": [[seconds, 0.0, 0.0]] * steps, "pinned_per_step": pinned + [{}] * (steps - 1)}
 
     monkeypatch.setattr(longest, "launch", fake_launch)
     out = tmp_path / "gpu.jsonl"
@@ -429,8 +436,14 @@ def test_gpu_benchmark_side_by_side_prints_ratios_and_stamps_every_trial(monkeyp
     assert asked == [("ours", 512, 2), ("deepspeed", 512, 2), ("ours", 2048, 2), ("deepspeed", 2048, 2)]
     printed = capsys.readouterr().out
     assert "ours / deepspeed: time 0.75, memory 0.50" in printed
+    assert "ours 3.00 s/step (first 6.00, 2.50 s of it creating 16 pinned host blocks), 4.0 GiB" in printed
     assert "deepspeed failed (CUDA out of memory)" in printed
+    assert "pinned" not in printed.split("deepspeed 4.00 s/step")[1].split(";")[0]  # none created: not printed
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 4 and all(r["commit"] == bench.commit() and r["steps_per_trial"] == 2 for r in records)
+    asked.clear()
+    assert longest.main(["--impl", "ours-no-offload", "deepspeed", "--at", "512", "--out", str(out)]) == 0
+    assert asked == [("ours-no-offload", 512, 3), ("deepspeed", 512, 3)]
+    assert "ours-no-offload / deepspeed: time 0.50, memory 0.75" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         longest.main(["--at", "512", "--steps", "0", "--out", str(out)])
