@@ -11,8 +11,8 @@ steps (ZeRO-3 releases parameters by its recorded trace from the second), ranks 
 agreeing on "auto" tile counts, a Llama with ``tile_mlps`` and activation-checkpoint offload, and the
 parameter elements ZeRO-3 gathers per step for it against DeepSpeed's TiledMLP recipe, and for
 ``sequence_tiled_compute`` against DeepSpeed's (no more, and no blocking gather), and DeepSpeed's
-``TiledFusedLogitsLoss`` beside ours with the tied lm_head (it fails on ZeRO-2/3, or loses the head's
-gradient silently).
+``TiledFusedLogitsLoss`` and ``sequence_tiled_compute`` beside ours as the loss of a model with a tied
+lm_head (DeepSpeed's fail on ZeRO-2/3, or lose the head's gradient silently).
 
 Every scenario of a ZeRO stage runs in one 2-rank launch (an engine launch costs 20-40 s here).
 
@@ -69,14 +69,15 @@ class Model(nn.Module):
     """[bs, sl, h] floats (DeepSpeed's test) or token ids (with `vocab_in`) -> two MLPs -> lm_head ->
     CrossEntropyLoss's mean, untiled or through TiledFusedLogitsLoss in this forward."""
 
-    def __init__(self, h, v, mlp="plain", fused=False, tied=False, shards=2, fused_loss=TiledFusedLogitsLoss):
+    def __init__(self, h, v, mlp="plain", fused=False, tied=False, shards=2, tiled_loss=None):
         super().__init__()
         self.embed = nn.Embedding(v, h) if tied else None
         self.mlp1, self.mlp2 = SimpleMLP(h, mlp), SimpleMLP(h, mlp)
         self.lm_head = nn.Linear(h, v, bias=False)
         if tied:
             self.lm_head.weight = self.embed.weight
-        self.fused, self.fused_loss, self.shards, self.vocab = fused, fused_loss, shards, v
+        self.fused, self.shards, self.vocab = fused, shards, v
+        self.tiled_loss = tiled_loss or fused_loss(TiledFusedLogitsLoss)
         self.ce = nn.CrossEntropyLoss()
 
     def loss_fn(self, x, y):
@@ -86,7 +87,23 @@ class Model(nn.Module):
         x = self.mlp2(self.mlp1(x if self.embed is None else self.embed(x)))
         if not self.fused:
             return self.loss_fn(x, y)
-        return self.fused_loss.apply(Model.loss_fn, self, x, y, None, self.shards, [self.lm_head.weight], "mean")
+        return self.tiled_loss(self, x, y)
+
+
+def fused_loss(loss_class):
+    """Model's loss through a TiledFusedLogitsLoss class, DeepSpeed's call."""
+    def loss(model, x, y):
+        return loss_class.apply(Model.loss_fn, model, x, y, None, model.shards, [model.lm_head.weight], "mean")
+    return loss
+
+
+def tiled_compute_loss(library):
+    """Model's loss through a library's sequence_tiled_compute, tiles of the sequence, their mean."""
+    def loss(model, x, y):
+        return library.sequence_tiled_compute(Model.loss_fn, x.shape[1], model.shards, {"x": x, "y": y},
+                                              {"self": model}, "x", [model.lm_head.weight],
+                                              output_unshard_dimension=0, output_reduction="mean")
+    return loss
 
 
 def _engine(model, stage, gas=1, **zero):
@@ -165,22 +182,28 @@ def _tied_accumulation_scenario(rank, stage):
 
 
 def _tied_head_against_deepspeed(rank, stage):
-    """Our TiledFusedLogitsLoss and DeepSpeed's, the lm_head tied to the embedding, one backward (36 tokens in 3
-    equal tiles, where both losses are the same maths): each one's largest gradient error against the untiled
-    engine, or the AssertionError its backward raised. ZeRO-3 also with a 100-element reduce bucket, which
-    ZeRO flushes between the head's reduction and the embedding's."""
+    """Our TiledFusedLogitsLoss and sequence_tiled_compute and DeepSpeed's, as the loss of a model whose lm_head
+    is tied to the embedding, one backward (36 tokens in 3 equal tiles, where both libraries' losses are the
+    same maths): each one's largest gradient error against the untiled engine, or the AssertionError its
+    backward raised. ZeRO-3 also with a 100-element reduce bucket, which ZeRO flushes between the head's
+    reduction and the embedding's."""
+    import ds_ulysses
     from deepspeed.runtime.sequence_parallel import ulysses_sp
 
     zero = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
     buckets = {"default bucket": {}, **({"small bucket": {"reduce_bucket_size": 100}} if stage == 3 else {})}
     ids = torch.randint(0, 24, (1, 36), generator=torch.Generator().manual_seed(7 + rank))
-    losses = {"untiled": None, "ours": TiledFusedLogitsLoss, "deepspeed": ulysses_sp.TiledFusedLogitsLoss}
+    losses = {"untiled": None,
+              "ours TiledFusedLogitsLoss": fused_loss(TiledFusedLogitsLoss),
+              "deepspeed TiledFusedLogitsLoss": fused_loss(ulysses_sp.TiledFusedLogitsLoss),
+              "ours sequence_tiled_compute": tiled_compute_loss(ds_ulysses),
+              "deepspeed sequence_tiled_compute": tiled_compute_loss(ulysses_sp)}
     out = {}
     for bucket, extra in buckets.items():
         grads = {}
-        for name, fused_loss in losses.items():
+        for name, tiled_loss in losses.items():
             torch.manual_seed(0)
-            model = Model(16, 24, fused=fused_loss is not None, tied=True, shards=3, fused_loss=fused_loss)
+            model = Model(16, 24, fused=tiled_loss is not None, tied=True, shards=3, tiled_loss=tiled_loss)
             engine = _engine(model, stage, **zero, **extra)
             try:
                 engine.backward(engine(ids, ids.roll(-1, dims=1)))
@@ -188,8 +211,8 @@ def _tied_head_against_deepspeed(rank, stage):
                 out[f"{name}, {bucket}"] = f"AssertionError: {' '.join(str(e).split())}"
                 continue
             grads[name] = _full_grads(engine)
-        for name in ("ours", "deepspeed"):
-            if name in grads:
+        for name in losses:
+            if name in grads and name != "untiled":
                 out[f"{name}, {bucket}"] = max(rel(grads[name][n], grads["untiled"][n]) for n in grads["untiled"])
     return out
 
@@ -439,18 +462,20 @@ def test_tiled_functions_in_zero_engines_equal_the_untiled_model(stage):
         assert result["undeclared"] is not None and result["undeclared"].startswith(
             "TiledFusedLogitsLoss: fn uses lm_head.weight [10, 8], which requires grad and has gradient hooks")
 
-        # an lm_head tied to the embedding: ours is exact on every stage; DeepSpeed's loss hands ZeRO the tied
-        # weight's gradient twice (its last tile's, in forward, and the embedding's), which ZeRO-2 and ZeRO-3
-        # refuse, and where ZeRO-3 has flushed its bucket in between, the head's part is lost without an error
+        # an lm_head tied to the embedding: ours is exact on every stage; DeepSpeed's tiled losses hand ZeRO the
+        # tied weight's gradient twice (the head's and the embedding's), which ZeRO-2 and ZeRO-3 refuse, and
+        # where ZeRO-3 has flushed its bucket in between, the head's part is lost without an error
         tied = result["tied head"]
-        ours = [error for key, error in tied.items() if key.startswith("ours")]
-        assert len(ours) == 1 + (stage == 3) and all(isinstance(e, float) and e <= TOL for e in ours), tied
-        if stage == 1:
-            assert tied["deepspeed, default bucket"] <= TOL
-        else:
-            assert tied["deepspeed, default bucket"].startswith("AssertionError"), tied
-        if stage == 3:
-            assert tied["deepspeed, small bucket"] > 0.1, tied
+        for function in ("TiledFusedLogitsLoss", "sequence_tiled_compute"):
+            ours = [e for key, e in tied.items() if key.startswith(f"ours {function},")]
+            assert len(ours) == 1 + (stage == 3) and all(isinstance(e, float) and e <= TOL for e in ours), tied
+            theirs = f"deepspeed {function}"
+            if stage == 1:
+                assert tied[f"{theirs}, default bucket"] <= TOL, tied
+            else:
+                assert tied[f"{theirs}, default bucket"].startswith("AssertionError"), tied
+            if stage == 3:
+                assert tied[f"{theirs}, small bucket"] > 0.1, tied
 
         llama = result["llama"]
         if stage == 3:
