@@ -14,9 +14,10 @@ bf16, ZeRO-3 with the optimizer offloaded to the CPU, one sequence per step, sp 
   offload costs from what the rest of ours does.
 
 Each trial is a fresh process (an out-of-memory step leaves nothing behind) that trains ``--steps``
-steps (default 3) and reports each one's forward, backward and optimizer seconds, and the pinned host
-blocks torch's allocator had to create in it, with the seconds that took (the offload's host copies and
-the CPU optimizer's transfers go there; a block is created once, then reused); the time is the last
+steps (default 3) and reports each one's forward, backward and optimizer seconds, and what torch's
+allocators had to do in it: pinned host blocks created, with the seconds that took (the offload's host
+copies and the CPU optimizer's transfers go there; a block is created once, then reused), cudaMalloc
+calls, and retries (a failed cudaMalloc that frees every cached block and synchronizes); the time is the last
 step's, since the first pays one-off costs (pinned host buffers, kernel selection). The search doubles S
 until a trial fails, then bisects to ``--resolution`` tokens; ``--at S ...`` instead runs both at those
 lengths and prints ours / deepspeed for time and memory. Run on the GPU machine:
@@ -123,14 +124,15 @@ def _deepspeed(model, seq_len):
     return engine, lambda: engine(**sample)
 
 
-def pinned_host_counts() -> dict:
-    """torch's pinned host allocator so far: blocks created and the seconds spent creating them (zeros where
-    this torch does not count them, or before CUDA is initialised)."""
+def allocator_counts() -> dict:
+    """torch's allocators so far: pinned host blocks created and the seconds spent creating them, cudaMalloc
+    calls and allocation retries (zeros where this torch does not count them, or before CUDA is initialised)."""
     import torch
 
-    stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-    return {"pinned_allocs": stats.get("num_host_alloc", 0),
-            "pinned_alloc_s": stats.get("host_alloc_time.total", 0) / 1e6}
+    host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    device = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+    return {"pinned_allocs": host.get("num_host_alloc", 0), "pinned_alloc_s": host.get("host_alloc_time.total", 0) / 1e6,
+            "cuda_mallocs": device.get("num_device_alloc", 0), "alloc_retries": device.get("num_alloc_retries", 0)}
 
 
 def timed_steps(engine, forward, steps: int, sync, counts=dict) -> tuple[list[list[float]], list[float], list[dict]]:
@@ -172,10 +174,10 @@ def trial(impl: str, model_name: str, seq_len: int, attn: str, steps: int) -> di
     engine, forward = setups[impl](model, seq_len)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    phases, losses, pinned = timed_steps(engine, forward, steps, torch.cuda.synchronize, pinned_host_counts)
+    phases, losses, allocators = timed_steps(engine, forward, steps, torch.cuda.synchronize, allocator_counts)
     seconds = sum(phases[-1])
     return {"impl": impl, "model": model_name, "seq_len": seq_len, "ok": True, "loss": losses[0],
-            "steps": phases, "pinned_per_step": pinned, "first_step_s": sum(phases[0]), "seconds": seconds,
+            "steps": phases, "allocators_per_step": allocators, "first_step_s": sum(phases[0]), "seconds": seconds,
             "tokens_per_s": seq_len / seconds, "peak_gib": torch.cuda.max_memory_allocated() / (1 << 30)}
 
 
@@ -224,10 +226,13 @@ def side_by_side(impls, model_name, seq_lens, attn, timeout, log, steps=3) -> di
 def _cell(impl: str, t: dict) -> str:
     if not t["ok"]:
         return f"{impl} failed ({t['why'][:60]})"
-    first = t.get("pinned_per_step", [{}])[0]
-    pinned = (f", {first['pinned_alloc_s']:.2f} s of it creating {first['pinned_allocs']} pinned host blocks"
-              if first.get("pinned_allocs") else "")
-    return f"{impl} {t['seconds']:.2f} s/step (first {t['first_step_s']:.2f}{pinned}), {t['peak_gib']:.1f} GiB"
+    first = t.get("allocators_per_step", [{}])[0]
+    done = [f"{first['pinned_alloc_s']:.2f} s creating {first['pinned_allocs']} pinned host blocks"] * bool(
+        first.get("pinned_allocs"))
+    done += [f"{first[key]} {what}" for key, what in (("cuda_mallocs", "cudaMalloc"), ("alloc_retries", "allocator retries"))
+             if first.get(key)]
+    first_step = f"first {t['first_step_s']:.2f}" + (": " + ", ".join(done) if done else "")
+    return f"{impl} {t['seconds']:.2f} s/step ({first_step}), {t['peak_gib']:.1f} GiB"
 
 
 def _ratios(by_len: dict) -> list[str]:
