@@ -67,7 +67,8 @@ class SimpleMLP(nn.Module):
 
 class Model(nn.Module):
     """[bs, sl, h] floats (DeepSpeed's test) or token ids (with `vocab_in`) -> two MLPs -> lm_head ->
-    CrossEntropyLoss's mean, untiled or through TiledFusedLogitsLoss in this forward."""
+    CrossEntropyLoss's mean, untiled or (`fused`) through `tiled_loss` in this forward: our TiledFusedLogitsLoss
+    unless another (:func:`fused_loss`, :func:`tiled_compute_loss`) is given."""
 
     def __init__(self, h, v, mlp="plain", fused=False, tied=False, shards=2, tiled_loss=None):
         super().__init__()
