@@ -8,7 +8,10 @@ bf16, ZeRO-3 with the optimizer offloaded to the CPU, one sequence per step, sp 
 - ``ours``: ``ds_ulysses.initialize`` with tiled MLP, tiled loss and activation-checkpoint offload on;
 - ``deepspeed``: DeepSpeed's module as ArcticTraining uses it: every MLP through its ``TiledMLP``
   with the MLP's weights as ``compute_params``, the loss through its ``TiledFusedLogitsLoss``, and
-  Transformers' gradient checkpointing (DeepSpeed's module has no checkpoint offload of its own);
+  Transformers' gradient checkpointing (DeepSpeed's module has no checkpoint offload of its own). On the
+  Llama-3.2 shapes, whose lm_head is tied to the embedding, its loss hands ZeRO the tied weight's gradient
+  twice and ZeRO-3 keeps only the embedding's part (README, drop-in table): a wrong gradient at the same
+  cost, so its time and memory still compare;
 - ``ours-no-offload`` (not run unless named in ``--impl``): ours with Transformers' gradient
   checkpointing instead of the checkpoint offload, DeepSpeed's recipe's set of tools, to tell what the
   offload costs from what the rest of ours does.
