@@ -10,7 +10,8 @@ bf16, ZeRO-3 with the optimizer offloaded to the CPU, one sequence per step, sp 
   with the MLP's weights as ``compute_params``, the loss through its ``TiledFusedLogitsLoss``, and
   Transformers' gradient checkpointing (DeepSpeed's module has no checkpoint offload of its own). On the
   Llama-3.2 shapes, whose lm_head is tied to the embedding, its loss hands ZeRO the tied weight's gradient
-  twice and ZeRO-3 keeps only the embedding's part (README, drop-in table): a wrong gradient at the same
+  twice, and ZeRO-3, its bucket flushed in between by the layers' gradients, keeps only the embedding's
+  part (README, drop-in table; not checked on a GPU): a wrong gradient at the same
   cost, so its time and memory still compare;
 - ``ours-no-offload`` (not run unless named in ``--impl``): ours with Transformers' gradient
   checkpointing instead of the checkpoint offload, DeepSpeed's recipe's set of tools, to tell what the
