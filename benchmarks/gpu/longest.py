@@ -230,11 +230,12 @@ def side_by_side(impls, model_name, seq_lens, attn, timeout, log, steps=3) -> di
 def _cell(impl: str, t: dict) -> str:
     if not t["ok"]:
         return f"{impl} failed ({t['why'][:60]})"
-    first = t.get("allocators_per_step", [{}])[0]
-    done = [f"{first['pinned_alloc_s']:.2f} s creating {first['pinned_allocs']} pinned host blocks"] * bool(
-        first.get("pinned_allocs"))
-    done += [f"{first[key]} {what}" for key, what in (("cuda_mallocs", "cudaMalloc"), ("alloc_retries", "allocator retries"))
-             if first.get(key)]
+    first, done = t.get("allocators_per_step", [{}])[0], []
+    if first.get("pinned_allocs"):
+        done.append(f"{first['pinned_alloc_s']:.2f} s creating {first['pinned_allocs']} pinned host blocks")
+    for key, what in (("cuda_mallocs", "cudaMalloc"), ("alloc_retries", "allocator retries")):
+        if first.get(key):
+            done.append(f"{first[key]} {what}")
     first_step = f"first {t['first_step_s']:.2f}" + (": " + ", ".join(done) if done else "")
     return f"{impl} {t['seconds']:.2f} s/step ({first_step}), {t['peak_gib']:.1f} GiB"
 

@@ -448,3 +448,30 @@ def test_gpu_benchmark_side_by_side_prints_ratios_and_stamps_every_trial(monkeyp
     assert "ours-no-offload / deepspeed: time 0.50, memory 0.75" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         longest.main(["--at", "512", "--steps", "0", "--out", str(out)])
+
+
+def test_gpu_benchmark_search_doubles_then_bisects_and_prints_length_ratios(monkeypatch, tmp_path, capsys):
+    """Without --at, each implementation's longest S: doubled from --start until a trial fails, then bisected
+    to --resolution; every arm's length is printed against deepspeed's."""
+    from benchmarks.gpu import longest
+
+    fits = {"ours": 3000, "ours-no-offload": 2200, "deepspeed": 1500}  # the longest S each "trains"
+    asked = []
+
+    def fake_launch(impl, model, seq_len, attn, timeout, steps):
+        asked.append((impl, seq_len))
+        if seq_len > fits[impl]:
+            return {"impl": impl, "model": model, "seq_len": seq_len, "ok": False, "why": "CUDA out of memory"}
+        return {"impl": impl, "model": model, "seq_len": seq_len, "ok": True, "seconds": 1.0, "first_step_s": 1.0,
+                "tokens_per_s": float(seq_len), "peak_gib": 1.0, "steps": [[1.0, 0.0, 0.0]] * steps}
+
+    monkeypatch.setattr(longest, "launch", fake_launch)
+    argv = ["--impl", "ours", "ours-no-offload", "deepspeed", "--start", "512", "--resolution", "256",
+            "--out", str(tmp_path / "gpu.jsonl")]
+    assert longest.main(argv) == 0
+    # ours: 512, 1024, 2048 train, 4096 does not; then 3072 (no), 2560, 2816 (yes): within 256 of 3072
+    assert [s for impl, s in asked if impl == "ours"] == [512, 1024, 2048, 4096, 3072, 2560, 2816]
+    printed = capsys.readouterr().out
+    assert "ours:      2,816 tokens" in printed and "deepspeed:      1,280 tokens" in printed
+    assert "ratio ours / deepspeed: 2.20x the length" in printed
+    assert "ratio ours-no-offload / deepspeed: 1.60x the length" in printed  # 2048 against 1280
