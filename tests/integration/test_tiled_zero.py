@@ -9,8 +9,9 @@ to the embedding, gradient accumulation (the engine scales each micro-batch's lo
 incoming gradient of 0.5 that DeepSpeed's own fused loss ignores for parameters), two optimizer
 steps (ZeRO-3 releases parameters by its recorded trace from the second), ranks of different lengths
 agreeing on "auto" tile counts, a Llama with ``tile_mlps`` and activation-checkpoint offload, and the
-parameter elements ZeRO-3 gathers per step for it against DeepSpeed's TiledMLP recipe, and for
-``sequence_tiled_compute`` against DeepSpeed's (no more, and no blocking gather), and DeepSpeed's
+parameter elements ZeRO-3 gathers in each step for it against DeepSpeed's TiledMLP recipe, and for
+``sequence_tiled_compute`` against DeepSpeed's (no more, and no blocking gather, also in the first two
+steps, before ZeRO has a trace to prefetch by), and DeepSpeed's
 ``TiledFusedLogitsLoss`` and ``sequence_tiled_compute`` beside ours as the loss of a model with a tied
 lm_head (DeepSpeed's fail on ZeRO-2/3, or lose the head's gradient silently).
 
@@ -358,11 +359,14 @@ def _count_gathers(module):
 
 
 def _gathers_scenario(rank, steps=3):
-    """Parameter elements ZeRO-3 gathers in a training step (the last of `steps`) on the same Llama, ZeRO-3
-    told to release every parameter after each use (as it does for a model too large to keep any), for
-    two pairs: our tile_mlps with checkpoint offload against DeepSpeed's TiledMLP recipe (its TiledMLP on
-    every MLP with the three weights as compute_params) with gradient checkpointing; and
-    sequence_tiled_compute on every MLP called DeepSpeed's way, ours against DeepSpeed's. Losses too."""
+    """Parameter elements ZeRO-3 gathers in each of `steps` training steps on the same Llama, for two pairs:
+    our tile_mlps with checkpoint offload against DeepSpeed's TiledMLP recipe (its TiledMLP on every MLP
+    with the three weights as compute_params) with gradient checkpointing; and sequence_tiled_compute on
+    every MLP called DeepSpeed's way, ours against DeepSpeed's. Two ZeRO-3 configurations: "release", told
+    to release every parameter after each use (as it does for a model too large to keep any), and
+    "prefetch", its defaults (prefetching by its recorded trace) with no parameter persistent. The first
+    step runs without a trace and the second records it, so the three steps are ZeRO's three modes.
+    Losses too."""
     import deepspeed
     from deepspeed.runtime.sequence_parallel import ulysses_sp
 
@@ -371,10 +375,8 @@ def _gathers_scenario(rank, steps=3):
     from ds_ulysses.memory import tile_mlps, untile_mlps
     from tests.support.models import tiny_config, tiny_model
 
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
-                                    "stage3_prefetch_bucket_size": 0}}
+    release = {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+    zero_configs = {"release": release, "prefetch": {}}
 
     def mlp_fn(m, tile):
         return m.down_proj(m.act_fn(m.gate_proj(tile)) * m.up_proj(tile))
@@ -408,23 +410,30 @@ def _gathers_scenario(rank, steps=3):
     arms = {"deepspeed TiledMLP": tiled_mlp_recipe, "ours tile_mlps": ours_tile_mlps,
             "deepspeed stc": stc(ulysses_sp), "ours stc": stc(ds_ulysses)}
     result = {}
-    for name, setup in arms.items():
-        model = tiny_model(tiny_config("llama", heads=4, kv_heads=2, head_dim=16, layers=4)).train()
-        setup(model)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                          config=config)
-        counts = _count_gathers(engine.module)
-        ids = torch.randint(0, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(rank))
-        for _ in range(steps):
-            counts.update(direct=0, elements=0)
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-        result[name] = {**counts, "loss": loss.detach()}
-        untile_mlps(model)
-    for pair in ("TiledMLP", "stc"):
-        ours = "ours tile_mlps" if pair == "TiledMLP" else "ours stc"
-        result[f"{pair} loss error"] = rel(result[ours].pop("loss"), result[f"deepspeed {pair}"].pop("loss"))
+    for zero_name, zero in zero_configs.items():
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
+        losses = {}
+        for name, setup in arms.items():
+            model = tiny_model(tiny_config("llama", heads=4, kv_heads=2, head_dim=16, layers=4)).train()
+            setup(model)
+            engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                              config=config)
+            counts = _count_gathers(engine.module)
+            ids = torch.randint(0, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(rank))
+            per_step = []
+            for _ in range(steps):
+                counts.update(direct=0, elements=0)
+                loss = engine(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()
+                per_step.append(dict(counts))
+            result[f"{zero_name}: {name}"] = per_step
+            losses[name] = loss.detach()
+            untile_mlps(model)
+        for pair in ("TiledMLP", "stc"):
+            ours = "ours tile_mlps" if pair == "TiledMLP" else "ours stc"
+            result[f"{zero_name}: {pair} loss error"] = rel(losses[ours], losses[f"deepspeed {pair}"])
     return result
 
 
@@ -486,13 +495,20 @@ def test_tiled_functions_in_zero_engines_equal_the_untiled_model(stage):
             bad = {n: e for n, e in llama["errors"].items() if e > 1e-4}
             assert not bad, f"rank {rank}: Llama gradients differ from plain torch: {bad}"
             # ZeRO fetches the MLP weights with the MLP, once per pass, as for DeepSpeed's recipe: no blocking
-            # per-parameter gather, none per tile and no second gather when their gradients are accumulated
+            # per-parameter gather, none per tile and no second gather when their gradients are accumulated. In
+            # every step, no more than DeepSpeed's: in the first too, before the MLPs have their weights registered
+            # (tile_mlps: one blocking gather per MLP; DeepSpeed's recipe: one per weight it reads)
             gathers = result["gathers"]
-            for ours, theirs in (("ours tile_mlps", "deepspeed TiledMLP"), ("ours stc", "deepspeed stc")):
-                assert gathers.pop(f"{theirs.split()[1]} loss error") <= TOL
-                assert gathers[theirs]["elements"] > 0, "ZeRO-3 gathered nothing: the scenario did not release"
-                assert gathers[ours]["direct"] == 0, gathers
-                assert gathers[ours]["elements"] <= gathers[theirs]["elements"], gathers
+            for zero in ("release", "prefetch"):
+                for ours, theirs in (("ours tile_mlps", "deepspeed TiledMLP"), ("ours stc", "deepspeed stc")):
+                    assert gathers[f"{zero}: {theirs.split()[1]} loss error"] <= TOL
+                    mine, deepspeeds = gathers[f"{zero}: {ours}"], gathers[f"{zero}: {theirs}"]
+                    assert len(mine) == len(deepspeeds) == 3, gathers
+                    for step, (got, want) in enumerate(zip(mine, deepspeeds)):
+                        assert want["elements"] > 0, f"{zero}, step {step}: ZeRO-3 gathered nothing for {theirs}"
+                        assert got["elements"] <= want["elements"], (zero, step, gathers)
+                        assert got["direct"] <= want["direct"], (zero, step, gathers)
+                    assert mine[1]["direct"] == mine[2]["direct"] == 0, gathers
 
 
 def gathers_worker(rank, world_size):
@@ -504,7 +520,12 @@ def tied_head_worker(rank, world_size, stage):
 
 
 if __name__ == "__main__":  # python -m tests.integration.test_tiled_zero: rank 0's gathers and tied-head results
-    print("gathers per step, ZeRO-3:", run_distributed(gathers_worker, 2, timeout=600)[0])
+    print("ZeRO-3 gathers in steps 1, 2, 3 (parameter elements / blocking per-parameter gathers):")
+    for arm, outcome in run_distributed(gathers_worker, 2, timeout=600)[0].items():
+        if isinstance(outcome, float):
+            print(f"  {arm}: {outcome:.2g}")
+        else:
+            print(f"  {arm}: " + ", ".join(f"{step['elements']:,} / {step['direct']}" for step in outcome))
     for zero_stage in (1, 2, 3):
         print(f"tied lm_head, ZeRO-{zero_stage}, gradient error against the untiled engine:")
         for arm, outcome in run_distributed(tied_head_worker, 2, zero_stage, timeout=600)[0].items():
