@@ -24,12 +24,15 @@ copies and the CPU optimizer's transfers go there; a block is created once, then
 calls, and retries (a failed cudaMalloc that frees every cached block and synchronizes); the time is the last
 step's, since the first pays one-off costs (pinned host buffers, kernel selection). The search doubles S
 until a trial fails, then bisects to ``--resolution`` tokens; ``--at S ...`` instead runs both at those
-lengths and prints ours / deepspeed for time and memory. Run on the GPU machine:
+lengths and prints ours / deepspeed for time and memory. Every arm starts from the same (seeded) weights
+and data, so their per-step losses (recorded) agree. Run on the GPU machine:
 
     python -m benchmarks.gpu.longest --model llama-3.2-3b --out benchmarks/results/gpu.jsonl
     python -m benchmarks.gpu.longest --model llama-3.2-1b --at 65536 262144
 
-and see benchmarks/gpu/README.md for an install without a package index.
+and see benchmarks/gpu/README.md for an install without a package index. ``--device cpu`` runs the same
+arms in fp32 on the CPU (peak memory is then the process's RSS high-water mark), with ``--model tiny``,
+the CPU benchmark's model: what the arms do per step where there is no GPU.
 
 Dimension legend::  S sequence length (tokens)   V vocabulary   h hidden
 """
@@ -51,25 +54,37 @@ MODELS = {  # Llama-3 family shapes (config numbers only)
                          num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=True),
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+    # the CPU benchmark's model (README, "Benchmarks"), for --device cpu; untied: DeepSpeed's tiled loss
+    # cannot train a tied head on a single reduce bucket (README, drop-in table)
+    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=32, vocab_size=32000, tie_word_embeddings=False),
 }
 IMPLEMENTATIONS = ("ours", "deepspeed", "ours-no-offload")
 DEFAULT_IMPLEMENTATIONS = ("ours", "deepspeed")
 
 
-def ds_config() -> dict:
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+def ds_config(device: str = "cuda") -> dict:
+    """bf16 and pinned optimizer transfers on a GPU; fp32 on the CPU."""
+    gpu = device == "cuda"
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": gpu},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
-            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": gpu}},
             "steps_per_print": 1 << 30}
 
 
-def _model(name: str, attn: str):
+def _model(name: str, attn: str, device: str = "cuda"):
+    """The same weights in every trial (seeded). On a GPU partitioned while built (no full copy); on the CPU
+    built whole (``zero.Init`` around Transformers' ``from_config`` fails there with torch 2.13) and
+    partitioned by ``initialize``."""
     import deepspeed
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    torch.manual_seed(0)
     config = LlamaConfig(**MODELS[name], max_position_embeddings=1 << 24, rope_theta=500000.0, use_cache=False)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config()):  # partitioned while built: no full copy
+    if device == "cpu":
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config(device)):
         return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.bfloat16)
 
 
@@ -80,7 +95,7 @@ def _sample(seq_len: int, vocab: int) -> dict:
     return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(seq_len)[None]}
 
 
-def _ours(model, seq_len, offload=True):
+def _ours(model, seq_len, device, offload=True):
     import ds_ulysses
 
     section = {"sequence_parallel_size": 1, "tiled_mlp": {"enabled": True}, "tiled_loss": {"enabled": True},
@@ -88,13 +103,13 @@ def _ours(model, seq_len, offload=True):
     if not offload:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     sample = _sample(seq_len, model.config.vocab_size)
-    engine, _, loader, _ = ds_ulysses.initialize(model=model, config={**ds_config(), "ulysses": section},
+    engine, _, loader, _ = ds_ulysses.initialize(model=model, config={**ds_config(device), "ulysses": section},
                                                  training_data=[{k: v[0] for k, v in sample.items()}])
     batch = {k: v.to(engine.device) for k, v in next(iter(loader)).items()}
     return engine, lambda: engine(**batch).loss
 
 
-def _deepspeed(model, seq_len):
+def _deepspeed(model, seq_len, device):
     import deepspeed
     import torch
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
@@ -123,7 +138,7 @@ def _deepspeed(model, seq_len):
                                           [model.lm_head.weight], "mean")
 
     model.forward = forward
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(device))
     sample = {k: v.to(engine.device) for k, v in _sample(seq_len, vocab).items()}
     return engine, lambda: engine(**sample)
 
@@ -163,34 +178,45 @@ def timed_steps(engine, forward, steps: int, sync, counts=dict) -> tuple[list[li
     return phases, losses, grew
 
 
-def trial(impl: str, model_name: str, seq_len: int, attn: str, steps: int) -> dict:
+def trial(impl: str, model_name: str, seq_len: int, attn: str, steps: int, device: str = "cuda") -> dict:
     """``steps`` steps at ``seq_len`` in this process (run through :func:`launch`). Time is the last step's:
     the first pays one-off costs (pinned host buffers, kernel selection, the optimizer's first touch of
-    its states) that a training run pays once; the first is reported too. Peak memory is over all."""
+    its states) that a training run pays once; the first is reported too, and every step's loss. Peak
+    memory is over all: CUDA's allocated peak, or on the CPU the process's RSS high-water mark."""
+    import resource
+
     import deepspeed
     import torch
 
+    gpu = device == "cuda"
     deepspeed.init_distributed()
-    torch.cuda.set_device(0)
-    model = _model(model_name, attn)
+    if gpu:
+        torch.cuda.set_device(0)
+    model = _model(model_name, attn, device)
     setups = {"ours": _ours, "deepspeed": _deepspeed,
-              "ours-no-offload": lambda model, seq_len: _ours(model, seq_len, offload=False)}
-    engine, forward = setups[impl](model, seq_len)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    phases, losses, allocators = timed_steps(engine, forward, steps, torch.cuda.synchronize, allocator_counts)
+              "ours-no-offload": lambda model, seq_len, device: _ours(model, seq_len, device, offload=False)}
+    engine, forward = setups[impl](model, seq_len, device)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    sync()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    phases, losses, allocators = timed_steps(engine, forward, steps, sync, allocator_counts if gpu else dict)
     seconds = sum(phases[-1])
-    return {"impl": impl, "model": model_name, "seq_len": seq_len, "ok": True, "loss": losses[0],
-            "steps": phases, "allocators_per_step": allocators, "first_step_s": sum(phases[0]), "seconds": seconds,
-            "tokens_per_s": seq_len / seconds, "peak_gib": torch.cuda.max_memory_allocated() / (1 << 30)}
+    peak = torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    return {"impl": impl, "model": model_name, "seq_len": seq_len, "device": device, "ok": True, "loss": losses[0],
+            "losses": losses, "steps": phases, "allocators_per_step": allocators, "first_step_s": sum(phases[0]),
+            "seconds": seconds, "tokens_per_s": seq_len / seconds, "peak_gib": peak / (1 << 30)}
 
 
-def launch(impl: str, model_name: str, seq_len: int, attn: str, timeout: float, steps: int = 3) -> dict:
+def launch(impl: str, model_name: str, seq_len: int, attn: str, timeout: float, steps: int = 3,
+           device: str = "cuda") -> dict:
     """:func:`trial` in a fresh process; a crash or out-of-memory is a failed trial, not an error."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29511"),
            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    if device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
     cmd = [sys.executable, "-m", "benchmarks.gpu.longest", "--trial", impl, "--model", model_name,
-           "--seq-len", str(seq_len), "--attn", attn, "--steps", str(steps)]
+           "--seq-len", str(seq_len), "--attn", attn, "--steps", str(steps), "--device", device]
     root = Path(__file__).resolve().parents[2]
     try:
         done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
@@ -203,11 +229,11 @@ def launch(impl: str, model_name: str, seq_len: int, attn: str, timeout: float, 
     return {"impl": impl, "model": model_name, "seq_len": seq_len, "ok": False, "why": tail[0][:300]}
 
 
-def longest(impl, model_name, start, resolution, attn, timeout, log, steps=3) -> tuple[int, list[dict]]:
+def longest(impl, model_name, start, resolution, attn, timeout, log, steps=3, device="cuda") -> tuple[int, list[dict]]:
     """Double from ``start`` until a step fails, then bisect: the longest S that trains, and every trial."""
     trials, good, bad, s = [], 0, None, start
     while bad is None:
-        result = launch(impl, model_name, s, attn, timeout, steps)
+        result = launch(impl, model_name, s, attn, timeout, steps, device)
         trials.append(result)
         log(result)
         good, bad, s = (s, None, 2 * s) if result["ok"] else (good, s, s)
@@ -215,16 +241,17 @@ def longest(impl, model_name, start, resolution, attn, timeout, log, steps=3) ->
         mid = (good + bad) // 2 // resolution * resolution or resolution
         if mid in (good, bad):
             break
-        result = launch(impl, model_name, mid, attn, timeout, steps)
+        result = launch(impl, model_name, mid, attn, timeout, steps, device)
         trials.append(result)
         log(result)
         good, bad = (mid, bad) if result["ok"] else (good, mid)
     return good, trials
 
 
-def side_by_side(impls, model_name, seq_lens, attn, timeout, log, steps=3) -> dict:
+def side_by_side(impls, model_name, seq_lens, attn, timeout, log, steps=3, device="cuda") -> dict:
     """Each implementation at each length (no search): {S: {impl: trial}}."""
-    return {s: {impl: log(launch(impl, model_name, s, attn, timeout, steps)) for impl in impls} for s in seq_lens}
+    return {s: {impl: log(launch(impl, model_name, s, attn, timeout, steps, device)) for impl in impls}
+            for s in seq_lens}
 
 
 def _cell(impl: str, t: dict) -> str:
@@ -236,8 +263,8 @@ def _cell(impl: str, t: dict) -> str:
     for key, what in (("cuda_mallocs", "cudaMalloc"), ("alloc_retries", "allocator retries")):
         if first.get(key):
             done.append(f"{first[key]} {what}")
-    first_step = f"first {t['first_step_s']:.2f}" + (": " + ", ".join(done) if done else "")
-    return f"{impl} {t['seconds']:.2f} s/step ({first_step}), {t['peak_gib']:.1f} GiB"
+    steps = "steps " + ", ".join(f"{sum(step):.2f}" for step in t["steps"]) + (": " + ", ".join(done) if done else "")
+    return f"{impl} {t['seconds']:.2f} s/step ({steps}), {t['peak_gib']:.1f} GiB"
 
 
 def _ratios(by_len: dict) -> list[str]:
@@ -264,6 +291,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3,
                         help="steps per trial; time is the last one's, the first is reported beside it")
     parser.add_argument("--attn", default="sdpa", help="sdpa or flash_attention_2 (needs flash-attn)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: fp32, no pinned memory, peak = RSS; for checking the arms where there is no "
+                             "GPU (with --model tiny)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per trial")
     parser.add_argument("--out", default="benchmarks/results/gpu.jsonl", help="every trial, as JSON lines")
     parser.add_argument("--trial", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
@@ -272,7 +302,7 @@ def main(argv=None) -> int:
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
     if args.trial:  # inside one trial's process
-        print(json.dumps(trial(args.trial, args.model, args.seq_len, args.attn, args.steps)), flush=True)
+        print(json.dumps(trial(args.trial, args.model, args.seq_len, args.attn, args.steps, args.device)), flush=True)
         return 0
     import torch
 
@@ -290,13 +320,14 @@ def main(argv=None) -> int:
         print(f"{result['impl']:>15} S={result['seq_len']:>9,}: {state}", flush=True)
         return result
 
-    setting = f"{args.model}, {where['gpu']}, bf16, ZeRO-3 + CPU optimizer, last of {args.steps} steps"
+    hardware = f"{where['gpu']}, bf16" if args.device == "cuda" else f"{where['machine']}, fp32, peak RSS"
+    setting = f"{args.model}, {hardware}, ZeRO-3 + CPU optimizer, last of {args.steps} steps"
     if args.at:
-        by_len = side_by_side(args.impl, args.model, args.at, args.attn, args.timeout, log, args.steps)
+        by_len = side_by_side(args.impl, args.model, args.at, args.attn, args.timeout, log, args.steps, args.device)
         print(f"\nside by side ({setting}):", *_ratios(by_len), sep="\n")
         return 0
-    best = {impl: longest(impl, args.model, args.start, args.resolution, args.attn, args.timeout, log, args.steps)
-            for impl in args.impl}
+    best = {impl: longest(impl, args.model, args.start, args.resolution, args.attn, args.timeout, log, args.steps,
+                          args.device) for impl in args.impl}
     print(f"\nlongest sequence that trains ({setting}):")
     for impl, (s, trials) in best.items():
         speed = next((t["tokens_per_s"] for t in trials if t["ok"] and t["seq_len"] == s), float("nan"))

@@ -419,8 +419,8 @@ def test_gpu_benchmark_side_by_side_prints_ratios_and_stamps_every_trial(monkeyp
 
     asked = []
 
-    def fake_launch(impl, model, seq_len, attn, timeout, steps):
-        asked.append((impl, seq_len, steps))
+    def fake_launch(impl, model, seq_len, attn, timeout, steps, device):
+        asked.append((impl, seq_len, steps, device))
         if seq_len > 1000 and impl == "deepspeed":
             return {"impl": impl, "model": model, "seq_len": seq_len, "ok": False, "why": "CUDA out of memory"}
         seconds = {"ours": 3.0, "deepspeed": 4.0, "ours-no-offload": 2.0}[impl]
@@ -429,22 +429,25 @@ def test_gpu_benchmark_side_by_side_prints_ratios_and_stamps_every_trial(monkeyp
         return {"impl": impl, "model": model, "seq_len": seq_len, "ok": True, "seconds": seconds,
                 "first_step_s": 2 * seconds, "tokens_per_s": seq_len / seconds,
                 "peak_gib": {"ours": 4.0, "deepspeed": 8.0, "ours-no-offload": 6.0}[impl],
-                "steps": [[seconds, 0.0, 0.0]] * steps, "allocators_per_step": [first] + [{}] * (steps - 1)}
+                "steps": [[seconds, seconds, 0.0]] + [[seconds, 0.0, 0.0]] * (steps - 1),
+                "allocators_per_step": [first] + [{}] * (steps - 1)}
 
     monkeypatch.setattr(longest, "launch", fake_launch)
     out = tmp_path / "gpu.jsonl"
     assert longest.main(["--model", "llama-3.2-1b", "--at", "512", "2048", "--steps", "2", "--out", str(out)]) == 0
-    assert asked == [("ours", 512, 2), ("deepspeed", 512, 2), ("ours", 2048, 2), ("deepspeed", 2048, 2)]
+    assert asked == [("ours", 512, 2, "cuda"), ("deepspeed", 512, 2, "cuda"), ("ours", 2048, 2, "cuda"),
+                     ("deepspeed", 2048, 2, "cuda")]
     printed = capsys.readouterr().out
     assert "ours / deepspeed: time 0.75, memory 0.50" in printed
-    assert "ours 3.00 s/step (first 6.00: 2.50 s creating 16 pinned host blocks, 40 cudaMalloc), 4.0 GiB" in printed
+    assert "ours 3.00 s/step (steps 6.00, 3.00: 2.50 s creating 16 pinned host blocks, 40 cudaMalloc), 4.0 GiB" \
+        in printed
     assert "deepspeed failed (CUDA out of memory)" in printed
-    assert "deepspeed 4.00 s/step (first 8.00), 8.0 GiB" in printed  # the allocators did nothing: not printed
+    assert "deepspeed 4.00 s/step (steps 8.00, 4.00), 8.0 GiB" in printed  # the allocators did nothing: not printed
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 4 and all(r["commit"] == bench.commit() and r["steps_per_trial"] == 2 for r in records)
     asked.clear()
     assert longest.main(["--impl", "ours-no-offload", "deepspeed", "--at", "512", "--out", str(out)]) == 0
-    assert asked == [("ours-no-offload", 512, 3), ("deepspeed", 512, 3)]
+    assert asked == [("ours-no-offload", 512, 3, "cuda"), ("deepspeed", 512, 3, "cuda")]
     assert "ours-no-offload / deepspeed: time 0.50, memory 0.75" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         longest.main(["--at", "512", "--steps", "0", "--out", str(out)])
@@ -458,7 +461,7 @@ def test_gpu_benchmark_search_doubles_then_bisects_and_prints_length_ratios(monk
     fits = {"ours": 3000, "ours-no-offload": 2200, "deepspeed": 1500}  # the longest S each "trains"
     asked = []
 
-    def fake_launch(impl, model, seq_len, attn, timeout, steps):
+    def fake_launch(impl, model, seq_len, attn, timeout, steps, device):
         asked.append((impl, seq_len))
         if seq_len > fits[impl]:
             return {"impl": impl, "model": model, "seq_len": seq_len, "ok": False, "why": "CUDA out of memory"}
@@ -475,3 +478,24 @@ def test_gpu_benchmark_search_doubles_then_bisects_and_prints_length_ratios(monk
     assert "ours:      2,816 tokens" in printed and "deepspeed:      1,280 tokens" in printed
     assert "ratio ours / deepspeed: 2.20x the length" in printed
     assert "ratio ours-no-offload / deepspeed: 1.60x the length" in printed  # 2048 against 1280
+
+
+def test_gpu_benchmark_arms_train_the_same_model_the_same_way_on_cpu(tmp_path, capsys):
+    """--device cpu runs benchmarks.gpu.longest's real trials (fresh processes, ZeRO-3 with DeepSpeed's CPU
+    AdamW) on the tiny model: ours (tiled MLP, tiled loss, checkpoint offload), ours with checkpointing in
+    place of the offload, and DeepSpeed's ALST recipe start from the same weights and data, so each of
+    their steps has the same loss, the first before any update and the next after the same update."""
+    from benchmarks.gpu import longest
+
+    out = tmp_path / "gpu.jsonl"
+    assert longest.main(["--device", "cpu", "--model", "tiny", "--at", "256", "--steps", "2",
+                         "--impl", "ours", "ours-no-offload", "deepspeed", "--out", str(out)]) == 0
+    trials = {r["impl"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(trials) == ["deepspeed", "ours", "ours-no-offload"]
+    assert all(t["ok"] and t["device"] == "cpu" and len(t["steps"]) == 2 and t["peak_gib"] > 0.1
+               for t in trials.values()), trials
+    want = trials["deepspeed"]["losses"]
+    assert want[0] == pytest.approx(math.log(32000), rel=0.05)  # random weights: about uniform over the vocabulary
+    for impl in ("ours", "ours-no-offload"):
+        assert trials[impl]["losses"] == pytest.approx(want, rel=1e-5), impl
+    assert "ours / deepspeed: time" in capsys.readouterr().out
