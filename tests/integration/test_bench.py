@@ -480,13 +480,15 @@ def test_gpu_benchmark_search_doubles_then_bisects_and_prints_length_ratios(monk
     assert "ratio ours-no-offload / deepspeed: 1.60x the length" in printed  # 2048 against 1280
 
 
-def test_gpu_benchmark_arms_train_the_same_model_the_same_way_on_cpu(tmp_path, capsys):
+def test_gpu_benchmark_arms_train_the_same_model_the_same_way_on_cpu(tmp_path, capsys, monkeypatch):
     """--device cpu runs benchmarks.gpu.longest's real trials (fresh processes, ZeRO-3 with DeepSpeed's CPU
     AdamW) on the tiny model: ours (tiled MLP, tiled loss, checkpoint offload), ours with checkpointing in
     place of the offload, and DeepSpeed's ALST recipe start from the same weights and data, so each of
     their steps has the same loss, the first before any update and the next after the same update."""
     from benchmarks.gpu import longest
+    from tests.support.distributed import free_port
 
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # not the harness's fixed default
     out = tmp_path / "gpu.jsonl"
     assert longest.main(["--device", "cpu", "--model", "tiny", "--at", "256", "--steps", "2",
                          "--impl", "ours", "ours-no-offload", "deepspeed", "--out", str(out)]) == 0
