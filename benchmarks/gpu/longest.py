@@ -47,6 +47,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.rank import MODEL_DEFAULTS as CPU_MODEL
+
 MODELS = {  # Llama-3 family shapes (config numbers only)
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
@@ -56,8 +58,10 @@ MODELS = {  # Llama-3 family shapes (config numbers only)
                          num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
     # the CPU benchmark's model (README, "Benchmarks"), for --device cpu; untied: DeepSpeed's tiled loss
     # cannot train a tied head on a single reduce bucket (README, drop-in table)
-    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=2, head_dim=32, vocab_size=32000, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=CPU_MODEL["hidden"], intermediate_size=CPU_MODEL["intermediate"],
+                 num_hidden_layers=CPU_MODEL["layers"], num_attention_heads=CPU_MODEL["heads"],
+                 num_key_value_heads=CPU_MODEL["kv_heads"], head_dim=CPU_MODEL["hidden"] // CPU_MODEL["heads"],
+                 vocab_size=CPU_MODEL["vocab"], tie_word_embeddings=False),
 }
 IMPLEMENTATIONS = ("ours", "deepspeed", "ours-no-offload")
 DEFAULT_IMPLEMENTATIONS = ("ours", "deepspeed")
