@@ -24,6 +24,11 @@ Many models share one pair of ranks (spawning costs more than a tiny model); the
 every case and, when one stalls or kills a rank, records it and restarts the ranks for the rest.
 
     python -m tests.architectures [--all | --models llama,gpt2] [--engine] [--engine-all] [--out FILE]
+                                  [--sp N] [--length TOKENS] [--docs A,B,C]
+
+``--sp``, ``--length`` and ``--docs`` pick another layout than the default (sp 2, 64 tokens, documents
+24+25+15): e.g. sp 4, where the tiny models' 2 KV heads are replicated over the ranks; sp 3, where
+4 query heads split unevenly; a length that is not a multiple of sp, which the adapter pads.
 
 writes ``FILE`` (JSON lines, one record per model) and ``FILE`` with ``.md`` (a table grouped by
 cause). The fast subset for ``make test`` is ``tests/integration/test_architectures.py``.
@@ -401,11 +406,11 @@ def _deterministic(model, sample: dict) -> bool:
     return bool(torch.equal(a, b))
 
 
-def _samples(world_size: int) -> dict:
+def _samples(world_size: int, length: int, docs: list[int]) -> dict:
     from tests.support.sp_cases import make_sample
 
-    return {"plain": [make_sample(100 + k, LENGTH) for k in range(world_size)],
-            "packed": [make_sample(200 + k, LENGTH, docs=PACKED_DOCS) for k in range(world_size)]}
+    return {"plain": [make_sample(100 + k, length) for k in range(world_size)],
+            "packed": [make_sample(200 + k, length, docs=docs) for k in range(world_size)]}
 
 
 def _prepare(name: str, rec: dict, samples: dict) -> tuple:
@@ -504,14 +509,13 @@ def _outcome(rec: dict, steps: dict) -> dict:
 # -- the drop-in check ---------------------------------------------------------------------------------
 
 
-def sp_step_check(rank: int, world_size: int, name: str, phase=lambda p: None) -> dict:
+def sp_step_check(rank: int, world_size: int, name: str, samples: dict, phase=lambda p: None) -> dict:
     """One step per micro-batch through the drop-in API at sp ``world_size``, plain then packed."""
     import ds_ulysses
     from ds_ulysses import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter, enable_sp_loss
 
     rec = {"model": name, "mode": "dropin", "config_note": OVERRIDES.get(name, (None, ""))[1]}
     phase("build and reference")
-    samples = _samples(world_size)
     try:
         model, refs = _prepare(name, rec, samples)
     except Skip as why:
@@ -529,6 +533,7 @@ def sp_step_check(rank: int, world_size: int, name: str, phase=lambda p: None) -
             for k, micro in enumerate(loader):  # micro-batch k is rank k's sample
                 current = f"{kind} step {k} forward"
                 phase(current)
+                rec["shard_tokens"] = micro["input_ids"].shape[-1]  # padded by the adapter to a multiple of sp
                 loss = model(**micro).loss
                 first_forward = False
                 current = f"{kind} step {k} backward"
@@ -555,7 +560,7 @@ ENGINE_SECTIONS = {
 }
 
 
-def engine_step_check(rank: int, world_size: int, case: str, phase=lambda p: None) -> dict:
+def engine_step_check(rank: int, world_size: int, case: str, samples: dict, phase=lambda p: None) -> dict:
     """``case`` = ``model@section``: one step through ``ds_ulysses.initialize`` under ZeRO-3 at sp ``world_size``.
 
     ZeRO-3's reduce-scatter gives every rank the SP group's full gradient (``safe_get_full_grad``),
@@ -567,7 +572,7 @@ def engine_step_check(rank: int, world_size: int, case: str, phase=lambda p: Non
     name, section_name = case.split("@")
     rec = {"model": name, "mode": f"engine-{section_name}", "config_note": OVERRIDES.get(name, (None, ""))[1]}
     phase("build and reference")
-    sample = _samples(world_size)["plain"][0]
+    sample = samples["plain"][0]
     try:
         model, refs = _prepare(name, rec, {"plain": [sample]})
     except Skip as why:
@@ -607,7 +612,8 @@ def engine_step_check(rank: int, world_size: int, case: str, phase=lambda p: Non
 CHECKS = {"dropin": sp_step_check, "engine": engine_step_check}
 
 
-def _rank_main(rank: int, world_size: int, port: int, check: str, cases: list, queue) -> None:
+def _rank_main(rank: int, world_size: int, port: int, check: str, cases: list, queue, length: int,
+               docs: list[int]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
@@ -619,10 +625,11 @@ def _rank_main(rank: int, world_size: int, port: int, check: str, cases: list, q
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     fn = CHECKS[check]
+    samples = _samples(world_size, length, docs)
     for case in cases:
         queue.put(("start", rank, case, None))
         try:
-            rec = fn(rank, world_size, case, lambda p, c=case: queue.put(("phase", rank, c, p)))
+            rec = fn(rank, world_size, case, samples, lambda p, c=case: queue.put(("phase", rank, c, p)))
         except BaseException as err:  # noqa: BLE001 -- a bug in the sweep itself, reported per case
             rec = {"model": case, "status": "crash", "error": type(err).__name__, "message": _first_line(err),
                    "phase": "sweep", "ds_frame": _frame(err.__traceback__, "/ds_ulysses/"),
@@ -649,8 +656,10 @@ def _merge(case: str, by_rank: dict) -> dict:
 
 
 def run_cases(cases: list, check: str = "dropin", world_size: int = SP, case_timeout: float = 180.0,
-              log=None) -> dict:
+              log=None, length: int = LENGTH, docs: list[int] = PACKED_DOCS) -> dict:
     """Run ``check`` for every case on ``world_size`` spawned gloo ranks; {case: record}.
+
+    Every rank draws ``world_size`` samples of ``length`` tokens, plain and packed from ``docs``.
 
     Cases share a process group; a case that stalls (no rank finishes it within ``case_timeout``) or
     kills a rank is recorded as a crash, the ranks are restarted, and the sweep goes on.
@@ -664,7 +673,8 @@ def run_cases(cases: list, check: str = "dropin", world_size: int = SP, case_tim
     remaining = list(cases)
     while remaining:
         queue, port = ctx.Queue(), free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, check, remaining, queue), daemon=True)
+        procs = [ctx.Process(target=_rank_main, daemon=True,
+                             args=(r, world_size, port, check, remaining, queue, length, docs))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -794,7 +804,7 @@ def summary(rec: dict) -> str:
     return f"[{rec.get('phase')}] {rec.get('error')}: {_first_line(Exception(rec.get('message', '')), 400)} @ {where}"
 
 
-def write_reports(records: list, out: str, header: str = "") -> str:
+def write_reports(records: list, out: str, header: str = "", sp: int = SP) -> str:
     """``out`` as JSON lines, and ``out`` with ``.md``: counts, then one table per cause (``out``'s
     directory is made if missing)."""
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
@@ -809,7 +819,7 @@ def write_reports(records: list, out: str, header: str = "") -> str:
     for rec in records:
         groups.setdefault(cause(rec), []).append(rec)
     statuses = sorted(_ORDER, key=lambda st: -_ORDER[st])
-    lines = [f"# Architecture sweep at sp {SP}", "", header, "",
+    lines = [f"# Architecture sweep at sp {sp}", "", header, "",
              "| mode | " + " | ".join(statuses) + " |", "|---" * (len(statuses) + 1) + "|"]
     lines += [f"| {mode} | " + " | ".join(str(by.get(st, 0)) for st in statuses) + " |" for mode, by in counts.items()]
     order = sorted(groups, key=lambda c: (-_ORDER.get(groups[c][0]["status"], 5), c))
@@ -835,7 +845,18 @@ def main(argv=None) -> int:
     parser.add_argument("--engine-only", action="store_true", help="skip the drop-in check")
     parser.add_argument("--out", default="architectures.jsonl", help="JSON lines; the Markdown goes next to it")
     parser.add_argument("--case-timeout", type=float, default=180.0, help="seconds before a stalled case is abandoned")
+    parser.add_argument("--sp", type=int, default=SP, help=f"SP world size: that many gloo ranks (default {SP})")
+    parser.add_argument("--length", type=int, default=LENGTH, help=f"tokens per sample (default {LENGTH})")
+    parser.add_argument("--docs", default=",".join(map(str, PACKED_DOCS)),
+                        help="document lengths of the packed sample, adding up to --length (default %(default)s)")
     args = parser.parse_args(argv)
+    docs = [int(n) for n in args.docs.split(",")]
+    if args.sp < 2:
+        parser.error(f"--sp {args.sp}: expected at least 2 ranks, or there is nothing to shard")
+    if sum(docs) != args.length or min(docs) < 1:
+        parser.error(f"--docs {args.docs} add up to {sum(docs)}: expected positive lengths adding up to "
+                     f"--length {args.length}; give both")
+    layout = dict(world_size=args.sp, length=args.length, docs=docs)
     _quiet()
     import ds_ulysses  # noqa: F401 -- fail here, once, rather than in every case on every rank
 
@@ -850,22 +871,22 @@ def main(argv=None) -> int:
 
     records = [{"model": m, "mode": "-", "status": "skipped", "why": why} for m, why in skipped.items()]
     if not args.engine_only:
-        records += run_cases(names, "dropin", case_timeout=args.case_timeout, log=log).values()
+        records += run_cases(names, "dropin", case_timeout=args.case_timeout, log=log, **layout).values()
     cases = []
     if args.engine:
         cases += [f"{m}@{s}" for m in (names if args.models else ENGINE_MODELS) for s in ENGINE_SECTIONS]
     if args.engine_all:
         cases += [f"{m}@tiled" for m in names if f"{m}@tiled" not in cases]
     if cases:
-        records += run_cases(cases, "engine", case_timeout=args.case_timeout, log=log).values()
+        records += run_cases(cases, "engine", case_timeout=args.case_timeout, log=log, **layout).values()
     took = time.time() - started
     import transformers
 
     header = (f"Transformers {transformers.__version__}, torch {torch.__version__}; {len(names)} model types and "
               f"variants swept, {len(skipped)} model types left out before building; {took:.0f} s on "
               f"{os.cpu_count()} cores. Exact: loss rel <= {LOSS_TOL:g} and every gradient rel <= {GRAD_TOL:g}. "
-              f"Samples: {LENGTH} tokens plain, and packed documents {PACKED_DOCS}.")
-    md = write_reports(records, args.out, header)
+              f"Samples: {args.length} tokens plain, and packed documents {docs}.")
+    md = write_reports(records, args.out, header, sp=args.sp)
     print(f"{took:.0f} s; wrote {args.out} and {md}")
     return 0
 
