@@ -15,7 +15,8 @@ unsharded in one process. Each model comes out as one of
 - ``crash``: any other exception (type, message, innermost ds_ulysses and transformers frames);
 - ``skipped``: could not be built tiny or does not run unsharded (not a finding about SP).
 
-``--engine`` runs the same comparison through ``ds_ulysses.initialize`` under ZeRO-3 for
+``--engine`` runs the same comparison (a step on the plain sample, one on the packed sample, each with
+an engine of its own) through ``ds_ulysses.initialize`` under ZeRO-3 for
 :data:`ENGINE_MODELS`, with the default "ulysses" section (tiled loss on) and with the tiled loss off:
 the path where a model's head transform (Cohere ``logit_scale``, Granite ``logits_scaling``, Gemma
 softcapping) can be dropped. ``--engine-all`` runs every model through it with the default section.
@@ -561,7 +562,8 @@ ENGINE_SECTIONS = {
 
 
 def engine_step_check(rank: int, world_size: int, case: str, samples: dict, phase=lambda p: None) -> dict:
-    """``case`` = ``model@section``: one step through ``ds_ulysses.initialize`` under ZeRO-3 at sp ``world_size``.
+    """``case`` = ``model@section``: one step through ``ds_ulysses.initialize`` under ZeRO-3 at sp ``world_size``,
+    on the plain sample and, with an engine of its own, on the packed one.
 
     ZeRO-3's reduce-scatter gives every rank the SP group's full gradient (``safe_get_full_grad``),
     so no sum over ranks here.
@@ -572,39 +574,46 @@ def engine_step_check(rank: int, world_size: int, case: str, samples: dict, phas
     name, section_name = case.split("@")
     rec = {"model": name, "mode": f"engine-{section_name}", "config_note": OVERRIDES.get(name, (None, ""))[1]}
     phase("build and reference")
-    sample = samples["plain"][0]
     try:
-        model, refs = _prepare(name, rec, {"plain": [sample]})
+        model, refs = _prepare(name, rec, {kind: ss[:1] for kind, ss in samples.items()})
     except Skip as why:
         return {**rec, "status": "skipped", "why": str(why)}
+    models = {"plain": model, "packed": copy.deepcopy(model)}  # ZeRO-3 partitions the model it wraps
     config = {
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": {"stage": 3},
         "ulysses": {"sequence_parallel_size": world_size, **ENGINE_SECTIONS[section_name]},
     }
-    # every rank draws its own sample (all equal here): the SP group's first micro-batch is sample 0
-    data = [{"input_ids": sample["input_ids"][0], "labels": sample["labels"][0]} for _ in range(2 * world_size)]
-    current, first_forward = "setup", True
-    try:
-        phase(current)
-        engine, _, loader, _ = ds_ulysses.initialize(model=model, config=config, training_data=data)
-        current = "forward"
-        phase(current)
-        loss = engine(**next(iter(loader))).loss
-        first_forward = False
-        current = "backward"
-        phase(current)
-        engine.backward(loss)
-        current = "compare"
-        grads = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
-        has = {n: g is not None for n, g in grads.items()}
-        step = _step(loss.item(), {n: g.float() for n, g in grads.items() if g is not None}, has, refs["plain"][0])
-    except Exception as err:  # noqa: BLE001 -- classified, not hidden
-        return {**rec, **_error_record(err, current, first_forward and current == "forward")}
-    finally:
-        ds_ulysses.uninstall()
-    return _outcome(rec, {"plain": [step]})
+    steps, current, first_forward = {kind: [] for kind in models}, "setup", True
+    for kind, model in models.items():
+        sample = samples[kind][0]
+        # every rank draws its own sample (all equal here): the SP group's first micro-batch is sample 0;
+        # the plain one leaves its position_ids to the adapter, the packed one brings its documents'
+        keys = ("input_ids", "labels") + (("position_ids",) if kind == "packed" else ())
+        data = [{key: sample[key][0] for key in keys} for _ in range(2 * world_size)]
+        try:
+            current = "setup" if first_forward else f"{kind} setup"
+            phase(current)
+            engine, _, loader, _ = ds_ulysses.initialize(model=model, config=config, training_data=data)
+            current = f"{kind} forward"
+            phase(current)
+            loss = engine(**next(iter(loader))).loss
+            first_forward = False
+            current = f"{kind} backward"
+            phase(current)
+            engine.backward(loss)
+            current = f"{kind} compare"
+            grads = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
+            has = {n: g is not None for n, g in grads.items()}
+            steps[kind].append(_step(loss.item(), {n: g.float() for n, g in grads.items() if g is not None}, has,
+                                     refs[kind][0]))
+        except Exception as err:  # noqa: BLE001 -- classified, not hidden
+            return {**rec, **_error_record(err, current, first_forward and current.endswith("forward")),
+                    "steps": steps}
+        finally:
+            ds_ulysses.uninstall()
+    return _outcome(rec, steps)
 
 
 # -- running many cases on one pair of ranks, isolated ------------------------------------------------
