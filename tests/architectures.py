@@ -25,11 +25,12 @@ Many models share one pair of ranks (spawning costs more than a tiny model); the
 every case and, when one stalls or kills a rank, records it and restarts the ranks for the rest.
 
     python -m tests.architectures [--all | --models llama,gpt2] [--engine] [--engine-all] [--out FILE]
-                                  [--sp N] [--length TOKENS] [--docs A,B,C]
+                                  [--sp N] [--length TOKENS] [--docs A,B,C] [--batch ROWS]
 
-``--sp``, ``--length`` and ``--docs`` pick another layout than the default (sp 2, 64 tokens, documents
-24+25+15): e.g. sp 4, where the tiny models' 2 KV heads are replicated over the ranks; sp 3, where
-4 query heads split unevenly; a length that is not a multiple of sp, which the adapter pads.
+``--sp``, ``--length``, ``--docs`` and ``--batch`` pick another layout than the default (sp 2, one row
+of 64 tokens, documents 24+25+15): e.g. sp 4, where the tiny models' 2 KV heads are replicated over the
+ranks; sp 3, where 4 query heads split unevenly; a length that is not a multiple of sp, which the
+adapter pads; micro-batches of several rows.
 
 writes ``FILE`` (JSON lines, one record per model) and ``FILE`` with ``.md`` (a table grouped by
 cause). The fast subset for ``make test`` is ``tests/integration/test_architectures.py``.
@@ -407,11 +408,11 @@ def _deterministic(model, sample: dict) -> bool:
     return bool(torch.equal(a, b))
 
 
-def _samples(world_size: int, length: int, docs: list[int]) -> dict:
+def _samples(world_size: int, length: int, docs: list[int], batch: int) -> dict:
     from tests.support.sp_cases import make_sample
 
-    return {"plain": [make_sample(100 + k, length) for k in range(world_size)],
-            "packed": [make_sample(200 + k, length, docs=docs) for k in range(world_size)]}
+    return {"plain": [make_sample(100 + k, length, bs=batch) for k in range(world_size)],
+            "packed": [make_sample(200 + k, length, bs=batch, docs=docs) for k in range(world_size)]}
 
 
 def _prepare(name: str, rec: dict, samples: dict) -> tuple:
@@ -535,7 +536,7 @@ def sp_step_check(rank: int, world_size: int, name: str, samples: dict, phase=la
             for k, micro in enumerate(loader):  # micro-batch k is rank k's sample
                 current = f"{kind} step {k} forward"
                 phase(current)
-                rec["shard_tokens"] = micro["input_ids"].shape[-1]  # padded by the adapter to a multiple of sp
+                rec["shard_shape"] = list(micro["input_ids"].shape)  # [rows, tokens padded to a multiple of sp]
                 loss = model(**micro).loss
                 first_forward = False
                 current = f"{kind} step {k} backward"
@@ -580,8 +581,9 @@ def engine_step_check(rank: int, world_size: int, case: str, samples: dict, phas
     except Skip as why:
         return {**rec, "status": "skipped", "why": str(why)}
     models = {"plain": model, "packed": copy.deepcopy(model)}  # ZeRO-3 partitions the model it wraps
+    batch = samples["plain"][0]["input_ids"].shape[0]
     config = {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": {"stage": 3},
         "ulysses": {"sequence_parallel_size": world_size, **ENGINE_SECTIONS[section_name]},
@@ -589,10 +591,11 @@ def engine_step_check(rank: int, world_size: int, case: str, samples: dict, phas
     steps, current, first_forward = {kind: [] for kind in models}, "setup", True
     for kind, model in models.items():
         sample = samples[kind][0]
-        # every rank draws its own sample (all equal here): the SP group's first micro-batch is sample 0;
+        # every rank draws its own micro-batch (all equal here), item r + j * world_size as its row j
+        # (DistributedSampler, no shuffle): the SP group's first micro-batch is the sample's rows in order;
         # the plain one leaves its position_ids to the adapter, the packed one brings its documents'
         keys = ("input_ids", "labels") + (("position_ids",) if kind == "packed" else ())
-        data = [{key: sample[key][0] for key in keys} for _ in range(2 * world_size)]
+        data = [{key: sample[key][i // world_size % batch] for key in keys} for i in range(2 * world_size * batch)]
         try:
             current = "setup" if first_forward else f"{kind} setup"
             phase(current)
@@ -623,7 +626,7 @@ CHECKS = {"dropin": sp_step_check, "engine": engine_step_check}
 
 
 def _rank_main(rank: int, world_size: int, port: int, check: str, cases: list, queue, length: int,
-               docs: list[int]) -> None:
+               docs: list[int], batch: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
@@ -635,7 +638,7 @@ def _rank_main(rank: int, world_size: int, port: int, check: str, cases: list, q
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     fn = CHECKS[check]
-    samples = _samples(world_size, length, docs)
+    samples = _samples(world_size, length, docs, batch)
     for case in cases:
         queue.put(("start", rank, case, None))
         try:
@@ -666,10 +669,11 @@ def _merge(case: str, by_rank: dict) -> dict:
 
 
 def run_cases(cases: list, check: str = "dropin", world_size: int = SP, case_timeout: float = 180.0,
-              log=None, length: int = LENGTH, docs: list[int] = PACKED_DOCS) -> dict:
+              log=None, length: int = LENGTH, docs: list[int] = PACKED_DOCS, batch: int = 1) -> dict:
     """Run ``check`` for every case on ``world_size`` spawned gloo ranks; {case: record}.
 
-    Every rank draws ``world_size`` samples of ``length`` tokens, plain and packed from ``docs``.
+    Every rank draws ``world_size`` samples of ``batch`` rows of ``length`` tokens, plain and packed from
+    ``docs``.
 
     Cases share a process group; a case that stalls (no rank finishes it within ``case_timeout``) or
     kills a rank is recorded as a crash, the ranks are restarted, and the sweep goes on.
@@ -684,7 +688,7 @@ def run_cases(cases: list, check: str = "dropin", world_size: int = SP, case_tim
     while remaining:
         queue, port = ctx.Queue(), free_port()
         procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(r, world_size, port, check, remaining, queue, length, docs))
+                             args=(r, world_size, port, check, remaining, queue, length, docs, batch))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -859,6 +863,7 @@ def main(argv=None) -> int:
     parser.add_argument("--length", type=int, default=LENGTH, help=f"tokens per sample (default {LENGTH})")
     parser.add_argument("--docs", default=",".join(map(str, PACKED_DOCS)),
                         help="document lengths of the packed sample, adding up to --length (default %(default)s)")
+    parser.add_argument("--batch", type=int, default=1, help="rows per sample, each a micro-batch (default 1)")
     args = parser.parse_args(argv)
     docs = [int(n) for n in args.docs.split(",")]
     if args.sp < 2:
@@ -866,7 +871,9 @@ def main(argv=None) -> int:
     if sum(docs) != args.length or min(docs) < 1:
         parser.error(f"--docs {args.docs} add up to {sum(docs)}: expected positive lengths adding up to "
                      f"--length {args.length}; give both")
-    layout = dict(world_size=args.sp, length=args.length, docs=docs)
+    if args.batch < 1:
+        parser.error(f"--batch {args.batch}: expected at least one row per sample")
+    layout = dict(world_size=args.sp, length=args.length, docs=docs, batch=args.batch)
     _quiet()
     import ds_ulysses  # noqa: F401 -- fail here, once, rather than in every case on every rank
 
@@ -895,7 +902,7 @@ def main(argv=None) -> int:
     header = (f"Transformers {transformers.__version__}, torch {torch.__version__}; {len(names)} model types and "
               f"variants swept, {len(skipped)} model types left out before building; {took:.0f} s on "
               f"{os.cpu_count()} cores. Exact: loss rel <= {LOSS_TOL:g} and every gradient rel <= {GRAD_TOL:g}. "
-              f"Samples: {args.length} tokens plain, and packed documents {docs}.")
+              f"Samples: {args.batch} x {args.length} tokens plain, and packed documents {docs} per row.")
     md = write_reports(records, args.out, header, sp=args.sp)
     print(f"{took:.0f} s; wrote {args.out} and {md}")
     return 0

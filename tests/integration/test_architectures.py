@@ -1,8 +1,8 @@
 """The architecture sweep's fast subset: representative models are exact under SP or refused by name.
 
 One SP step at sp 2 on 2 gloo ranks vs the unsharded model, through the drop-in API and (tiled loss,
-ZeRO-3) through ``ds_ulysses.initialize``, and Llama in another layout (sp 4, a padded length); the full
-sweep is ``python -m tests.architectures``.
+ZeRO-3) through ``ds_ulysses.initialize``, and Llama in another layout (sp 4, a padded length, 2 rows);
+the full sweep is ``python -m tests.architectures``.
 A model is never allowed to come out ``wrong`` (silently off) or ``crash``; a refusal must name the
 real cause.
 """
@@ -71,10 +71,12 @@ def test_initialize_tiled_loss_is_exact_or_refuses(case, engine_results):
 
 
 def test_the_sweep_runs_in_another_layout():
-    """``--sp 4 --length 70``: 4 ranks share the 2 KV heads, and the adapter pads 70 tokens to 4 shards of 18."""
-    rec = run_cases(["llama"], "dropin", world_size=4, length=70, docs=[30, 25, 15], case_timeout=120)["llama"]
+    """``--sp 4 --length 70 --batch 2``: 4 ranks share the 2 KV heads, the adapter pads 70 tokens to 4 shards
+    of 18, and every micro-batch has 2 rows."""
+    rec = run_cases(["llama"], "dropin", world_size=4, length=70, docs=[30, 25, 15], batch=2,
+                    case_timeout=120)["llama"]
     assert rec["status"] == "exact", summary(rec)
-    assert rec["shard_tokens"] == 18
+    assert rec["shard_shape"] == [2, 18]
     assert [len(rec["steps"][kind]) for kind in ("plain", "packed")] == [4, 4]  # one step per rank's sample
 
 
