@@ -25,12 +25,13 @@ Many models share one pair of ranks (spawning costs more than a tiny model); the
 every case and, when one stalls or kills a rank, records it and restarts the ranks for the rest.
 
     python -m tests.architectures [--all | --models llama,gpt2] [--engine] [--engine-all] [--out FILE]
-                                  [--sp N] [--length TOKENS] [--docs A,B,C] [--batch ROWS]
+                                  [--sp N] [--dp N] [--length TOKENS] [--docs A,B,C] [--batch ROWS]
 
-``--sp``, ``--length``, ``--docs`` and ``--batch`` pick another layout than the default (sp 2, one row
-of 64 tokens, documents 24+25+15): e.g. sp 4, where the tiny models' 2 KV heads are replicated over the
-ranks; sp 3, where 4 query heads split unevenly; a length that is not a multiple of sp, which the
-adapter pads; micro-batches of several rows.
+``--sp``, ``--dp``, ``--length``, ``--docs`` and ``--batch`` pick another layout than the default (one SP
+group of 2 ranks, one row of 64 tokens, documents 24+25+15): e.g. sp 4, where the tiny models' 2 KV heads
+are replicated over the ranks; sp 3, where 4 query heads split unevenly; dp 2, two SP groups each on a
+sample of its own, where the engine's gradient must be the mean of the samples' unsharded gradients; a
+length that is not a multiple of sp, which the adapter pads; micro-batches of several rows.
 
 writes ``FILE`` (JSON lines, one record per model) and ``FILE`` with ``.md`` (a table grouped by
 cause). The fast subset for ``make test`` is ``tests/integration/test_architectures.py``.
@@ -409,6 +410,8 @@ def _deterministic(model, sample: dict) -> bool:
 
 
 def _samples(world_size: int, length: int, docs: list[int], batch: int) -> dict:
+    """One sample per rank of each kind: rank r's drop-in loader reads sample r; the engine's SP group g
+    trains on sample g."""
     from tests.support.sp_cases import make_sample
 
     return {"plain": [make_sample(100 + k, length, bs=batch) for k in range(world_size)],
@@ -512,8 +515,9 @@ def _outcome(rec: dict, steps: dict) -> dict:
 # -- the drop-in check ---------------------------------------------------------------------------------
 
 
-def sp_step_check(rank: int, world_size: int, name: str, samples: dict, phase=lambda p: None) -> dict:
-    """One step per micro-batch through the drop-in API at sp ``world_size``, plain then packed."""
+def sp_step_check(rank: int, sp: int, name: str, samples: dict, phase=lambda p: None) -> dict:
+    """One step per micro-batch through the drop-in API at sp ``sp``, plain then packed (with several SP
+    groups, each trains on its own ranks' samples)."""
     import ds_ulysses
     from ds_ulysses import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter, enable_sp_loss
 
@@ -526,14 +530,15 @@ def sp_step_check(rank: int, world_size: int, name: str, samples: dict, phase=la
     current, first_forward, steps = "register", True, {"plain": [], "packed": []}
     try:
         phase(current)
-        mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world_size, 1)
+        mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1)
         group = mpu.get_sequence_parallel_group()
+        first = mpu.get_data_parallel_rank() * sp  # the SP group's first rank: its micro-batch k is sample first + k
         current = "setup"
         enable_sp_loss(model, group)
         for kind in steps:
             loader = UlyssesSPDataLoaderAdapter([samples[kind][rank]], mpu.get_sequence_parallel_rank(), group,
-                                                world_size, "cpu")
-            for k, micro in enumerate(loader):  # micro-batch k is rank k's sample
+                                                sp, "cpu")
+            for k, micro in enumerate(loader):  # micro-batch k is the group's rank k's sample
                 current = f"{kind} step {k} forward"
                 phase(current)
                 rec["shard_shape"] = list(micro["input_ids"].shape)  # [rows, tokens padded to a multiple of sp]
@@ -543,7 +548,8 @@ def sp_step_check(rank: int, world_size: int, name: str, samples: dict, phase=la
                 phase(current)
                 loss.backward()
                 current = f"{kind} step {k} compare"
-                steps[kind].append(_step(loss.item(), *_summed_grads(model, refs[kind][k], group), refs[kind][k]))
+                ref = refs[kind][first + k]
+                steps[kind].append(_step(loss.item(), *_summed_grads(model, ref, group), ref))
                 model.zero_grad(set_to_none=True)
     except Exception as err:  # noqa: BLE001 -- classified, not hidden
         return {**rec, **_error_record(err, current, first_forward and current.endswith("forward")), "steps": steps}
@@ -557,45 +563,74 @@ def sp_step_check(rank: int, world_size: int, name: str, samples: dict, phase=la
 # models whose head transforms logits (or hidden states) after the decoder, plus a baseline and an aux loss
 ENGINE_MODELS = ["llama", "cohere", "cohere2", "granite", "granitemoe", "gemma3_text", "minicpm3", "hyperclovax",
                  "nanochat", "mixtral+aux", "gemma2"]
+# MoE blocks that run an expert only for the tokens routed to it, so that ranks holding different tokens
+# (SP ranks, or plain data-parallel ones) gather different parameters under ZeRO-3 and gloo aborts the step:
+# DeepSpeed's own remedy, with or without SP, is to make the block a ZeRO-3 leaf (gathered whole)
+Z3_LEAF = {
+    "dbrx": "DbrxExperts",                   # calls its GLU submodule once per expert hit
+    "longcat_flash": "LongcatFlashExperts",  # a rank whose tokens all reach identity experts leaves the weights unused
+}
 ENGINE_SECTIONS = {
     "tiled": {},                                    # the default section: tiled loss on
     "untiled": {"tiled_loss": {"enabled": False}},  # the plain SP loss, for contrast
 }
 
 
-def engine_step_check(rank: int, world_size: int, case: str, samples: dict, phase=lambda p: None) -> dict:
-    """``case`` = ``model@section``: one step through ``ds_ulysses.initialize`` under ZeRO-3 at sp ``world_size``,
-    on the plain sample and, with an engine of its own, on the packed one.
+def _dp_reference(refs: list, group: int) -> dict:
+    """What SP group ``group`` must reproduce when every group trains on its own sample of ``refs``: its own
+    sample's loss, and the gradient DeepSpeed averages over the data-parallel groups (a parameter no sample
+    reached has none)."""
+    grads = {}
+    for name in refs[0]["grads"]:
+        got = [r["grads"][name] for r in refs if r["grads"][name] is not None]
+        grads[name] = torch.stack(got).sum(0) / len(refs) if got else None
+    return {"loss": refs[group]["loss"], "grads": grads}
 
-    ZeRO-3's reduce-scatter gives every rank the SP group's full gradient (``safe_get_full_grad``),
-    so no sum over ranks here.
+
+def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda p: None) -> dict:
+    """``case`` = ``model@section``: one step through ``ds_ulysses.initialize`` under ZeRO-3 at sp ``sp``, on
+    the plain sample and, with an engine of its own, on the packed one. With more ranks than ``sp`` the
+    mesh is dp x sp and SP group g trains on sample g of each kind.
+
+    ZeRO-3's reduce-scatter gives every rank the full gradient, averaged over the data-parallel groups
+    (``safe_get_full_grad``), so no sum over ranks here.
     """
-    import ds_ulysses
+    import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
+
+    import ds_ulysses
 
     name, section_name = case.split("@")
     rec = {"model": name, "mode": f"engine-{section_name}", "config_note": OVERRIDES.get(name, (None, ""))[1]}
+    world = dist.get_world_size()
+    dp = world // sp
     phase("build and reference")
     try:
-        model, refs = _prepare(name, rec, {kind: ss[:1] for kind, ss in samples.items()})
+        model, refs = _prepare(name, rec, {kind: ss[:dp] for kind, ss in samples.items()})
     except Skip as why:
         return {**rec, "status": "skipped", "why": str(why)}
+    if model_type_of(name) in Z3_LEAF:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        rec["z3_leaf"] = Z3_LEAF[model_type_of(name)]
+        set_z3_leaf_modules(model, [rec["z3_leaf"]])
     models = {"plain": model, "packed": copy.deepcopy(model)}  # ZeRO-3 partitions the model it wraps
     batch = samples["plain"][0]["input_ids"].shape[0]
     config = {
         "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": {"stage": 3},
-        "ulysses": {"sequence_parallel_size": world_size, **ENGINE_SECTIONS[section_name]},
+        "ulysses": {"sequence_parallel_size": sp, **ENGINE_SECTIONS[section_name]},
     }
     steps, current, first_forward = {kind: [] for kind in models}, "setup", True
     for kind, model in models.items():
-        sample = samples[kind][0]
-        # every rank draws its own micro-batch (all equal here), item r + j * world_size as its row j
-        # (DistributedSampler, no shuffle): the SP group's first micro-batch is the sample's rows in order;
-        # the plain one leaves its position_ids to the adapter, the packed one brings its documents'
+        # DistributedSampler (no shuffle) gives rank r items r + j * world as its row j, and an SP group's
+        # first micro-batch is its first rank's (g * sp): item i is row (i // world) of sample (i % world) // sp,
+        # so group g trains on sample g's rows in order. The plain sample leaves its position_ids to the
+        # adapter, the packed one brings its documents'
         keys = ("input_ids", "labels") + (("position_ids",) if kind == "packed" else ())
-        data = [{key: sample[key][i // world_size % batch] for key in keys} for i in range(2 * world_size * batch)]
+        data = [{key: samples[kind][i % world // sp][key][i // world % batch] for key in keys}
+                for i in range(2 * world * batch)]
         try:
             current = "setup" if first_forward else f"{kind} setup"
             phase(current)
@@ -611,7 +646,7 @@ def engine_step_check(rank: int, world_size: int, case: str, samples: dict, phas
             grads = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
             has = {n: g is not None for n, g in grads.items()}
             steps[kind].append(_step(loss.item(), {n: g.float() for n, g in grads.items() if g is not None}, has,
-                                     refs[kind][0]))
+                                     _dp_reference(refs[kind], engine.mpu.get_data_parallel_rank())))
         except Exception as err:  # noqa: BLE001 -- classified, not hidden
             return {**rec, **_error_record(err, current, first_forward and current.endswith("forward")),
                     "steps": steps}
@@ -625,7 +660,7 @@ def engine_step_check(rank: int, world_size: int, case: str, samples: dict, phas
 CHECKS = {"dropin": sp_step_check, "engine": engine_step_check}
 
 
-def _rank_main(rank: int, world_size: int, port: int, check: str, cases: list, queue, length: int,
+def _rank_main(rank: int, world_size: int, sp: int, port: int, check: str, cases: list, queue, length: int,
                docs: list[int], batch: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
@@ -642,7 +677,7 @@ def _rank_main(rank: int, world_size: int, port: int, check: str, cases: list, q
     for case in cases:
         queue.put(("start", rank, case, None))
         try:
-            rec = fn(rank, world_size, case, samples, lambda p, c=case: queue.put(("phase", rank, c, p)))
+            rec = fn(rank, sp, case, samples, lambda p, c=case: queue.put(("phase", rank, c, p)))
         except BaseException as err:  # noqa: BLE001 -- a bug in the sweep itself, reported per case
             rec = {"model": case, "status": "crash", "error": type(err).__name__, "message": _first_line(err),
                    "phase": "sweep", "ds_frame": _frame(err.__traceback__, "/ds_ulysses/"),
@@ -657,8 +692,8 @@ _ORDER = {"crash": 4, "wrong": 3, "refused": 2, "exact": 1, "skipped": 0}
 
 
 def _merge(case: str, by_rank: dict) -> dict:
-    """One record per case: the rank with the worse status (rank 0 on a tie; its numbers equal its
-    peers': gradients are summed over the group and the loss is the global mean on every rank)."""
+    """One record per case: the rank with the worse status (rank 0 on a tie; its numbers equal its SP
+    group's: gradients are summed over the group and the loss is the group's mean on every rank)."""
     recs = [by_rank[r] for r in sorted(by_rank)]
     worst = max(recs, key=lambda r: _ORDER.get(r["status"], 5))
     out = dict(worst)
@@ -668,11 +703,12 @@ def _merge(case: str, by_rank: dict) -> dict:
     return out
 
 
-def run_cases(cases: list, check: str = "dropin", world_size: int = SP, case_timeout: float = 180.0,
-              log=None, length: int = LENGTH, docs: list[int] = PACKED_DOCS, batch: int = 1) -> dict:
-    """Run ``check`` for every case on ``world_size`` spawned gloo ranks; {case: record}.
+def run_cases(cases: list, check: str = "dropin", sp: int = SP, case_timeout: float = 180.0,
+              log=None, length: int = LENGTH, docs: list[int] = PACKED_DOCS, batch: int = 1, dp: int = 1) -> dict:
+    """Run ``check`` for every case on ``dp * sp`` spawned gloo ranks (``dp`` SP groups of ``sp`` ranks);
+    {case: record}.
 
-    Every rank draws ``world_size`` samples of ``batch`` rows of ``length`` tokens, plain and packed from
+    Every rank draws one sample per rank of ``batch`` rows of ``length`` tokens, plain and packed from
     ``docs``.
 
     Cases share a process group; a case that stalls (no rank finishes it within ``case_timeout``) or
@@ -683,12 +719,13 @@ def run_cases(cases: list, check: str = "dropin", world_size: int = SP, case_tim
     from tests.support.distributed import free_port
 
     ctx = mp.get_context("spawn")
+    world_size = dp * sp
     results: dict = {}
     remaining = list(cases)
     while remaining:
         queue, port = ctx.Queue(), free_port()
         procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(r, world_size, port, check, remaining, queue, length, docs, batch))
+                             args=(r, world_size, sp, port, check, remaining, queue, length, docs, batch))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -793,6 +830,8 @@ def summary(rec: dict) -> str:
     """The record's numbers or message, one line."""
     if rec["status"] in ("exact", "wrong"):
         parts = [] if rec.get("train_mode", True) else ["eval mode (the model samples in training)"]
+        if rec.get("z3_leaf"):
+            parts.append(f"{rec['z3_leaf']} a ZeRO-3 leaf")
         for kind in ("plain", "packed"):
             every = rec.get("steps", {}).get(kind, [])
             steps = [s for s in every if not s.get("ref_nonfinite")]
@@ -818,7 +857,7 @@ def summary(rec: dict) -> str:
     return f"[{rec.get('phase')}] {rec.get('error')}: {_first_line(Exception(rec.get('message', '')), 400)} @ {where}"
 
 
-def write_reports(records: list, out: str, header: str = "", sp: int = SP) -> str:
+def write_reports(records: list, out: str, header: str = "", sp: int = SP, dp: int = 1) -> str:
     """``out`` as JSON lines, and ``out`` with ``.md``: counts, then one table per cause (``out``'s
     directory is made if missing)."""
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
@@ -833,7 +872,7 @@ def write_reports(records: list, out: str, header: str = "", sp: int = SP) -> st
     for rec in records:
         groups.setdefault(cause(rec), []).append(rec)
     statuses = sorted(_ORDER, key=lambda st: -_ORDER[st])
-    lines = [f"# Architecture sweep at sp {sp}", "", header, "",
+    lines = [f"# Architecture sweep at sp {sp}" + (f", dp {dp}" if dp > 1 else ""), "", header, "",
              "| mode | " + " | ".join(statuses) + " |", "|---" * (len(statuses) + 1) + "|"]
     lines += [f"| {mode} | " + " | ".join(str(by.get(st, 0)) for st in statuses) + " |" for mode, by in counts.items()]
     order = sorted(groups, key=lambda c: (-_ORDER.get(groups[c][0]["status"], 5), c))
@@ -845,6 +884,13 @@ def write_reports(records: list, out: str, header: str = "", sp: int = SP) -> st
     with open(md, "w") as f:
         f.write("\n".join(lines) + "\n")
     return md
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated token counts, e.g. 24,25,15") from None
 
 
 def main(argv=None) -> int:
@@ -859,21 +905,26 @@ def main(argv=None) -> int:
     parser.add_argument("--engine-only", action="store_true", help="skip the drop-in check")
     parser.add_argument("--out", default="architectures.jsonl", help="JSON lines; the Markdown goes next to it")
     parser.add_argument("--case-timeout", type=float, default=180.0, help="seconds before a stalled case is abandoned")
-    parser.add_argument("--sp", type=int, default=SP, help=f"SP world size: that many gloo ranks (default {SP})")
+    parser.add_argument("--sp", type=int, default=SP, help=f"ranks per SP group (default {SP})")
     parser.add_argument("--length", type=int, default=LENGTH, help=f"tokens per sample (default {LENGTH})")
-    parser.add_argument("--docs", default=",".join(map(str, PACKED_DOCS)),
-                        help="document lengths of the packed sample, adding up to --length (default %(default)s)")
+    parser.add_argument("--docs", type=_lengths, default=PACKED_DOCS,
+                        help="document lengths of the packed sample, adding up to --length (default "
+                             f"{','.join(map(str, PACKED_DOCS))})")
     parser.add_argument("--batch", type=int, default=1, help="rows per sample, each a micro-batch (default 1)")
+    parser.add_argument("--dp", type=int, default=1, help="SP groups, each on a sample of its own: dp x sp gloo "
+                        "ranks; the engine check averages the groups' gradients (default 1)")
     args = parser.parse_args(argv)
-    docs = [int(n) for n in args.docs.split(",")]
+    docs = args.docs
     if args.sp < 2:
         parser.error(f"--sp {args.sp}: expected at least 2 ranks, or there is nothing to shard")
     if sum(docs) != args.length or min(docs) < 1:
-        parser.error(f"--docs {args.docs} add up to {sum(docs)}: expected positive lengths adding up to "
+        parser.error(f"--docs {','.join(map(str, docs))} add up to {sum(docs)}: expected positive lengths adding up to "
                      f"--length {args.length}; give both")
     if args.batch < 1:
         parser.error(f"--batch {args.batch}: expected at least one row per sample")
-    layout = dict(world_size=args.sp, length=args.length, docs=docs, batch=args.batch)
+    if args.dp < 1:
+        parser.error(f"--dp {args.dp}: expected at least one SP group")
+    layout = dict(sp=args.sp, dp=args.dp, length=args.length, docs=docs, batch=args.batch)
     _quiet()
     import ds_ulysses  # noqa: F401 -- fail here, once, rather than in every case on every rank
 
@@ -903,7 +954,7 @@ def main(argv=None) -> int:
               f"variants swept, {len(skipped)} model types left out before building; {took:.0f} s on "
               f"{os.cpu_count()} cores. Exact: loss rel <= {LOSS_TOL:g} and every gradient rel <= {GRAD_TOL:g}. "
               f"Samples: {args.batch} x {args.length} tokens plain, and packed documents {docs} per row.")
-    md = write_reports(records, args.out, header, sp=args.sp)
+    md = write_reports(records, args.out, header, sp=args.sp, dp=args.dp)
     print(f"{took:.0f} s; wrote {args.out} and {md}")
     return 0
 

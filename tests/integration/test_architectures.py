@@ -1,7 +1,7 @@
 """The architecture sweep's fast subset: representative models are exact under SP or refused by name.
 
 One SP step at sp 2 on 2 gloo ranks vs the unsharded model, through the drop-in API and (tiled loss,
-ZeRO-3) through ``ds_ulysses.initialize``, and Llama in another layout (sp 4, a padded length, 2 rows);
+ZeRO-3) through ``ds_ulysses.initialize``, and Llama in other layouts (sp 4, a padded length, 2 rows; dp 2 x sp 2);
 the full sweep is ``python -m tests.architectures``.
 A model is never allowed to come out ``wrong`` (silently off) or ``crash``; a refusal must name the
 real cause.
@@ -33,7 +33,8 @@ DROPIN = [
     "llama+rope_dynamic",  # RoPE scaled by the batch's longest position: refused
     "mixtral+aux",  # a router load-balancing loss the SP loss would drop: refused
 ]
-ENGINE = ["llama@tiled", "cohere@tiled", "granite@tiled", "gemma3_text@tiled"]
+ENGINE = ["llama@tiled", "cohere@tiled", "granite@tiled", "gemma3_text@tiled",
+          "longcat_flash@tiled"]  # MoE with identity experts, as a ZeRO-3 leaf (without one gloo aborts the step)
 
 
 def _names(params) -> list[str]:
@@ -73,11 +74,20 @@ def test_initialize_tiled_loss_is_exact_or_refuses(case, engine_results):
 def test_the_sweep_runs_in_another_layout():
     """``--sp 4 --length 70 --batch 2``: 4 ranks share the 2 KV heads, the adapter pads 70 tokens to 4 shards
     of 18, and every micro-batch has 2 rows."""
-    rec = run_cases(["llama"], "dropin", world_size=4, length=70, docs=[30, 25, 15], batch=2,
+    rec = run_cases(["llama"], "dropin", sp=4, length=70, docs=[30, 25, 15], batch=2,
                     case_timeout=120)["llama"]
     assert rec["status"] == "exact", summary(rec)
     assert rec["shard_shape"] == [2, 18]
     assert [len(rec["steps"][kind]) for kind in ("plain", "packed")] == [4, 4]  # one step per rank's sample
+
+
+@pytest.mark.slow
+def test_the_engine_check_runs_data_parallel_sp_groups():
+    """``--dp 2``: 4 ranks as 2 SP groups of 2, each on a sample of its own; ZeRO-3's gradient must be the
+    mean of the two samples' unsharded gradients (feeding both groups the same sample comes out wrong)."""
+    rec = run_cases(["llama@tiled"], "engine", sp=2, dp=2, case_timeout=120)["llama@tiled"]
+    assert rec["status"] == "exact", summary(rec)
+    assert [len(rec["steps"][kind]) for kind in ("plain", "packed")] == [1, 1]
 
 
 def test_the_sweep_writes_its_reports_into_a_directory_it_makes(tmp_path):
