@@ -15,7 +15,7 @@ unsharded in one process. Each model comes out as one of
 - ``crash``: any other exception (type, message, innermost ds_ulysses and transformers frames);
 - ``skipped``: could not be built tiny or does not run unsharded (not a finding about SP).
 
-``--engine`` runs the same comparison (a step on the plain sample, one on the packed sample, each with
+``--engine`` runs the same comparison (steps on plain samples, steps on packed samples, each kind with
 an engine of its own) through ``ds_ulysses.initialize`` under ZeRO-3 for
 :data:`ENGINE_MODELS`, with the default "ulysses" section (tiled loss on) and with the tiled loss off:
 the path where a model's head transform (Cohere ``logit_scale``, Granite ``logits_scaling``, Gemma
@@ -25,13 +25,15 @@ Many models share one pair of ranks (spawning costs more than a tiny model); the
 every case and, when one stalls or kills a rank, records it and restarts the ranks for the rest.
 
     python -m tests.architectures [--all | --models llama,gpt2] [--engine] [--engine-all] [--out FILE]
-                                  [--sp N] [--dp N] [--length TOKENS] [--docs A,B,C] [--batch ROWS]
+                                  [--sp N] [--dp N] [--length TOKENS] [--docs A,B,C] [--batch ROWS] [--steps N]
 
 ``--sp``, ``--dp``, ``--length``, ``--docs`` and ``--batch`` pick another layout than the default (one SP
 group of 2 ranks, one row of 64 tokens, documents 24+25+15): e.g. sp 4, where the tiny models' 2 KV heads
 are replicated over the ranks; sp 3, where 4 query heads split unevenly; dp 2, two SP groups each on a
 sample of its own, where the engine's gradient must be the mean of the samples' unsharded gradients; a
-length that is not a multiple of sp, which the adapter pads; micro-batches of several rows.
+length that is not a multiple of sp, which the adapter pads; micro-batches of several rows. ``--steps N``
+runs the engine check for N optimizer steps (lr 0, so the reference's weights hold), each on a new sample:
+what a step leaves behind (ZeRO-3's recorded trace, the SP hooks' state) meets the next one.
 
 writes ``FILE`` (JSON lines, one record per model) and ``FILE`` with ``.md`` (a table grouped by
 cause). The fast subset for ``make test`` is ``tests/integration/test_architectures.py``.
@@ -409,13 +411,13 @@ def _deterministic(model, sample: dict) -> bool:
     return bool(torch.equal(a, b))
 
 
-def _samples(world_size: int, length: int, docs: list[int], batch: int) -> dict:
-    """One sample per rank of each kind: rank r's drop-in loader reads sample r; the engine's SP group g
-    trains on sample g."""
+def _samples(count: int, length: int, docs: list[int], batch: int) -> dict:
+    """``count`` samples of each kind: rank r's drop-in loader reads sample r; the engine's SP group g
+    trains on sample g * steps + s in its step s."""
     from tests.support.sp_cases import make_sample
 
-    return {"plain": [make_sample(100 + k, length, bs=batch) for k in range(world_size)],
-            "packed": [make_sample(200 + k, length, bs=batch, docs=docs) for k in range(world_size)]}
+    return {"plain": [make_sample(100 + k, length, bs=batch) for k in range(count)],
+            "packed": [make_sample(200 + k, length, bs=batch, docs=docs) for k in range(count)]}
 
 
 def _prepare(name: str, rec: dict, samples: dict) -> tuple:
@@ -587,13 +589,34 @@ def _dp_reference(refs: list, group: int) -> dict:
     return {"loss": refs[group]["loss"], "grads": grads}
 
 
-def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda p: None) -> dict:
-    """``case`` = ``model@section``: one step through ``ds_ulysses.initialize`` under ZeRO-3 at sp ``sp``, on
-    the plain sample and, with an engine of its own, on the packed one. With more ranks than ``sp`` the
-    mesh is dp x sp and SP group g trains on sample g of each kind.
+def _engine_data(samples: list, world: int, sp: int, steps: int, keys: tuple) -> list:
+    """Data items such that SP group g's micro-batch s is sample ``g * steps + s``, its rows in order.
 
-    ZeRO-3's reduce-scatter gives every rank the full gradient, averaged over the data-parallel groups
-    (``safe_get_full_grad``), so no sum over ranks here.
+    DistributedSampler (no shuffle) gives rank r items ``r + world * t``, its t-th row overall (row
+    ``t % batch`` of its batch ``t // batch``), and the adapter hands an SP group, for each batch of its
+    loaders, one micro-batch per member rank: micro-batch ``k * sp + m`` is member m's batch k.
+    """
+    batch = samples[0]["input_ids"].shape[0]
+    rows = batch * (-(-steps // sp) + 1)  # every batch a micro-batch reaches, and one more for drop_last
+    data = []
+    for i in range(world * rows):
+        r, t = i % world, i // world
+        step = (t // batch) * sp + r % sp
+        sample = samples[(r // sp) * steps + step % steps]  # past the last step: any sample
+        data.append({key: sample[key][t % batch] for key in keys})
+    return data
+
+
+def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda p: None, steps: int = 1) -> dict:
+    """``case`` = ``model@section``: ``steps`` steps through ``ds_ulysses.initialize`` under ZeRO-3 at sp
+    ``sp`` (forward, backward, compare, ``engine.step()``), on plain samples and, with an engine of its
+    own, on packed ones, a new sample each step. With more ranks than ``sp`` the mesh is dp x sp, every
+    SP group on samples of its own.
+
+    The optimizer runs with lr 0, so every step meets the reference's weights; what a second step
+    checks is the state the first leaves behind (ZeRO-3's recorded trace and prefetch, zeroed gradients,
+    the SP hooks' per-batch state). ZeRO-3's reduce-scatter gives every rank the full gradient, averaged
+    over the data-parallel groups (``safe_get_full_grad``), so no sum over ranks here.
     """
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
@@ -606,7 +629,7 @@ def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda
     dp = world // sp
     phase("build and reference")
     try:
-        model, refs = _prepare(name, rec, {kind: ss[:dp] for kind, ss in samples.items()})
+        model, refs = _prepare(name, rec, {kind: ss[:dp * steps] for kind, ss in samples.items()})
     except Skip as why:
         return {**rec, "status": "skipped", "why": str(why)}
     if model_type_of(name) in Z3_LEAF:
@@ -615,44 +638,45 @@ def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda
         rec["z3_leaf"] = Z3_LEAF[model_type_of(name)]
         set_z3_leaf_modules(model, [rec["z3_leaf"]])
     models = {"plain": model, "packed": copy.deepcopy(model)}  # ZeRO-3 partitions the model it wraps
-    batch = samples["plain"][0]["input_ids"].shape[0]
     config = {
-        "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "train_micro_batch_size_per_gpu": samples["plain"][0]["input_ids"].shape[0], "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}},
         "zero_optimization": {"stage": 3},
         "ulysses": {"sequence_parallel_size": sp, **ENGINE_SECTIONS[section_name]},
     }
-    steps, current, first_forward = {kind: [] for kind in models}, "setup", True
+    done, current, first_forward = {kind: [] for kind in models}, "setup", True
     for kind, model in models.items():
-        # DistributedSampler (no shuffle) gives rank r items r + j * world as its row j, and an SP group's
-        # first micro-batch is its first rank's (g * sp): item i is row (i // world) of sample (i % world) // sp,
-        # so group g trains on sample g's rows in order. The plain sample leaves its position_ids to the
-        # adapter, the packed one brings its documents'
+        # the plain samples leave their position_ids to the adapter, the packed ones bring their documents'
         keys = ("input_ids", "labels") + (("position_ids",) if kind == "packed" else ())
-        data = [{key: samples[kind][i % world // sp][key][i // world % batch] for key in keys}
-                for i in range(2 * world * batch)]
         try:
             current = "setup" if first_forward else f"{kind} setup"
             phase(current)
-            engine, _, loader, _ = ds_ulysses.initialize(model=model, config=config, training_data=data)
-            current = f"{kind} forward"
-            phase(current)
-            loss = engine(**next(iter(loader))).loss
-            first_forward = False
-            current = f"{kind} backward"
-            phase(current)
-            engine.backward(loss)
-            current = f"{kind} compare"
-            grads = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
-            has = {n: g is not None for n, g in grads.items()}
-            steps[kind].append(_step(loss.item(), {n: g.float() for n, g in grads.items() if g is not None}, has,
-                                     _dp_reference(refs[kind], engine.mpu.get_data_parallel_rank())))
+            engine, _, loader, _ = ds_ulysses.initialize(model=model, config=config,
+                                                         training_data=_engine_data(samples[kind], world, sp, steps,
+                                                                                    keys))
+            group, micro_batches = engine.mpu.get_data_parallel_rank(), iter(loader)
+            for s in range(steps):
+                current = f"{kind} step {s} forward"
+                phase(current)
+                loss = engine(**next(micro_batches)).loss
+                first_forward = False
+                current = f"{kind} step {s} backward"
+                phase(current)
+                engine.backward(loss)
+                current = f"{kind} step {s} compare"
+                grads = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
+                has = {n: g is not None for n, g in grads.items()}
+                ref = _dp_reference([refs[kind][g * steps + s] for g in range(dp)], group)
+                done[kind].append(_step(loss.item(), {n: g.float() for n, g in grads.items() if g is not None}, has,
+                                        ref))
+                current = f"{kind} step {s} optimizer"
+                engine.step()
         except Exception as err:  # noqa: BLE001 -- classified, not hidden
             return {**rec, **_error_record(err, current, first_forward and current.endswith("forward")),
-                    "steps": steps}
+                    "steps": done}
         finally:
             ds_ulysses.uninstall()
-    return _outcome(rec, steps)
+    return _outcome(rec, done)
 
 
 # -- running many cases on one pair of ranks, isolated ------------------------------------------------
@@ -661,7 +685,7 @@ CHECKS = {"dropin": sp_step_check, "engine": engine_step_check}
 
 
 def _rank_main(rank: int, world_size: int, sp: int, port: int, check: str, cases: list, queue, length: int,
-               docs: list[int], batch: int) -> None:
+               docs: list[int], batch: int, steps: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
@@ -673,11 +697,12 @@ def _rank_main(rank: int, world_size: int, sp: int, port: int, check: str, cases
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     fn = CHECKS[check]
-    samples = _samples(world_size, length, docs, batch)
+    samples = _samples(max(world_size, world_size // sp * steps), length, docs, batch)
+    extra = {"steps": steps} if check == "engine" else {}
     for case in cases:
         queue.put(("start", rank, case, None))
         try:
-            rec = fn(rank, sp, case, samples, lambda p, c=case: queue.put(("phase", rank, c, p)))
+            rec = fn(rank, sp, case, samples, lambda p, c=case: queue.put(("phase", rank, c, p)), **extra)
         except BaseException as err:  # noqa: BLE001 -- a bug in the sweep itself, reported per case
             rec = {"model": case, "status": "crash", "error": type(err).__name__, "message": _first_line(err),
                    "phase": "sweep", "ds_frame": _frame(err.__traceback__, "/ds_ulysses/"),
@@ -704,12 +729,13 @@ def _merge(case: str, by_rank: dict) -> dict:
 
 
 def run_cases(cases: list, check: str = "dropin", sp: int = SP, case_timeout: float = 180.0,
-              log=None, length: int = LENGTH, docs: list[int] = PACKED_DOCS, batch: int = 1, dp: int = 1) -> dict:
+              log=None, length: int = LENGTH, docs: list[int] = PACKED_DOCS, batch: int = 1, dp: int = 1,
+              steps: int = 1) -> dict:
     """Run ``check`` for every case on ``dp * sp`` spawned gloo ranks (``dp`` SP groups of ``sp`` ranks);
     {case: record}.
 
-    Every rank draws one sample per rank of ``batch`` rows of ``length`` tokens, plain and packed from
-    ``docs``.
+    Samples have ``batch`` rows of ``length`` tokens, plain and packed from ``docs``: one per rank, and
+    for the engine check ``steps`` per SP group.
 
     Cases share a process group; a case that stalls (no rank finishes it within ``case_timeout``) or
     kills a rank is recorded as a crash, the ranks are restarted, and the sweep goes on.
@@ -725,7 +751,7 @@ def run_cases(cases: list, check: str = "dropin", sp: int = SP, case_timeout: fl
     while remaining:
         queue, port = ctx.Queue(), free_port()
         procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(r, world_size, sp, port, check, remaining, queue, length, docs, batch))
+                             args=(r, world_size, sp, port, check, remaining, queue, length, docs, batch, steps))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -913,6 +939,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="rows per sample, each a micro-batch (default 1)")
     parser.add_argument("--dp", type=int, default=1, help="SP groups, each on a sample of its own: dp x sp gloo "
                         "ranks; the engine check averages the groups' gradients (default 1)")
+    parser.add_argument("--steps", type=int, default=1, help="steps of the initialize check, each on a new sample, "
+                        "the optimizer at lr 0 (default 1)")
     args = parser.parse_args(argv)
     docs = args.docs
     if args.sp < 2:
@@ -924,6 +952,8 @@ def main(argv=None) -> int:
         parser.error(f"--batch {args.batch}: expected at least one row per sample")
     if args.dp < 1:
         parser.error(f"--dp {args.dp}: expected at least one SP group")
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: expected at least one step")
     layout = dict(sp=args.sp, dp=args.dp, length=args.length, docs=docs, batch=args.batch)
     _quiet()
     import ds_ulysses  # noqa: F401 -- fail here, once, rather than in every case on every rank
@@ -946,14 +976,16 @@ def main(argv=None) -> int:
     if args.engine_all:
         cases += [f"{m}@tiled" for m in names if f"{m}@tiled" not in cases]
     if cases:
-        records += run_cases(cases, "engine", case_timeout=args.case_timeout, log=log, **layout).values()
+        records += run_cases(cases, "engine", case_timeout=args.case_timeout, log=log, steps=args.steps,
+                             **layout).values()
     took = time.time() - started
     import transformers
 
     header = (f"Transformers {transformers.__version__}, torch {torch.__version__}; {len(names)} model types and "
               f"variants swept, {len(skipped)} model types left out before building; {took:.0f} s on "
               f"{os.cpu_count()} cores. Exact: loss rel <= {LOSS_TOL:g} and every gradient rel <= {GRAD_TOL:g}. "
-              f"Samples: {args.batch} x {args.length} tokens plain, and packed documents {docs} per row.")
+              f"Samples: {args.batch} x {args.length} tokens plain, and packed documents {docs} per row; "
+              f"{args.steps} step(s) per engine.")
     md = write_reports(records, args.out, header, sp=args.sp, dp=args.dp)
     print(f"{took:.0f} s; wrote {args.out} and {md}")
     return 0

@@ -1,8 +1,8 @@
 """The architecture sweep's fast subset: representative models are exact under SP or refused by name.
 
 One SP step at sp 2 on 2 gloo ranks vs the unsharded model, through the drop-in API and (tiled loss,
-ZeRO-3) through ``ds_ulysses.initialize``, and Llama in other layouts (sp 4, a padded length, 2 rows; dp 2 x sp 2);
-the full sweep is ``python -m tests.architectures``.
+ZeRO-3) through ``ds_ulysses.initialize``, and Llama in other layouts (sp 4, a padded length, 2 rows;
+dp 2 x sp 2 for 3 steps); the full sweep is ``python -m tests.architectures``.
 A model is never allowed to come out ``wrong`` (silently off) or ``crash``; a refusal must name the
 real cause.
 """
@@ -82,12 +82,14 @@ def test_the_sweep_runs_in_another_layout():
 
 
 @pytest.mark.slow
-def test_the_engine_check_runs_data_parallel_sp_groups():
-    """``--dp 2``: 4 ranks as 2 SP groups of 2, each on a sample of its own; ZeRO-3's gradient must be the
-    mean of the two samples' unsharded gradients (feeding both groups the same sample comes out wrong)."""
-    rec = run_cases(["llama@tiled"], "engine", sp=2, dp=2, case_timeout=120)["llama@tiled"]
+def test_the_engine_check_runs_data_parallel_sp_groups_for_several_steps():
+    """``--dp 2 --steps 3``: 4 ranks as 2 SP groups of 2, each on samples of its own, 3 optimizer steps (lr 0),
+    the third micro-batch from the loaders' second batch; every step's ZeRO-3 gradient must be the mean of
+    that step's two samples' unsharded gradients (feeding both groups the same sample, or comparing every
+    step with the first step's samples, comes out wrong)."""
+    rec = run_cases(["llama@tiled"], "engine", sp=2, dp=2, steps=3, case_timeout=120)["llama@tiled"]
     assert rec["status"] == "exact", summary(rec)
-    assert [len(rec["steps"][kind]) for kind in ("plain", "packed")] == [1, 1]
+    assert [len(rec["steps"][kind]) for kind in ("plain", "packed")] == [3, 3]
 
 
 def test_the_sweep_writes_its_reports_into_a_directory_it_makes(tmp_path):
