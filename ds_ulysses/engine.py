@@ -34,13 +34,14 @@ from .config import UlyssesConfig, parse_ds_config
 from .distributed.collectives import collective_device
 from .distributed.mesh import Mesh, check_mesh_param, mesh_shape
 from .distributed.watch import GroupWatch
-from .hf.checkpointing import enable_activation_checkpoint_offload
+from .hf.checkpointing import check_checkpoint_offload, enable_activation_checkpoint_offload
 from .hf.loss import enable_sp_loss, tiled_causal_lm_loss
 from .hf.model_facts import layout_facts, vocab_size
 from .hf.register import UlyssesSPAttentionHF, register_with_transformers, sp_attention_of
+from .hf.servable import decoder_of
 from .hf.trainer import install_accelerate
 from .memory.host import trim_host_heap
-from .memory.mlp_tiling import tile_mlps
+from .memory.mlp_tiling import mlp_modules, tile_mlps
 from .patching import PATCHES
 from .sp.data import UlyssesSPDataLoaderAdapter
 from .sp.shards import SHARDS
@@ -68,6 +69,10 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
     it calls ``deepspeed.initialize``) keeps it. From here on its SP forwards must get the data
     adapter's shards.
     """
+    if section.tiled_mlp.enabled:  # refusals first, before anything changes
+        _require_mlps(model)
+    if section.activation_checkpoint_offload.enabled:
+        check_checkpoint_offload(model)
     if mesh.sp > 1:
         served = sp_attention_of(model)
         if served is None:
@@ -87,6 +92,43 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
         tile_mlps(model, section.tiled_mlp.shards)
     if section.activation_checkpoint_offload.enabled:
         enable_activation_checkpoint_offload(model)
+
+
+def _require_mlps(model) -> None:
+    """A ``tiled_mlp`` section needs MLPs to tile. A decoder whose feed-forward is not named ``mlp``
+    (GraniteMoE's ``block_sparse_moe``, OPT's ``fc1``/``fc2``, Llama 4's ``feed_forward``) would train
+    with the switch on and nothing tiled, its MLP activations whole: refused before anything changes."""
+    decoder = decoder_of(model)
+    if mlp_modules(decoder):
+        return
+    layer = next((m[0] for m in decoder.modules() if isinstance(m, torch.nn.ModuleList) and len(m)), None)
+    parts = ", ".join(name for name, _ in layer.named_children()) if layer is not None else "no layer list found"
+    raise ValueError(
+        f"tiled_mlp is enabled but {type(model).__name__}'s decoder has no module named 'mlp' to tile (its first "
+        f"layer holds: {parts}), so it would train with every MLP untiled; expected decoder MLPs named 'mlp', "
+        "which tile_mlps runs through TiledMLP; fix: set \"tiled_mlp\": {\"enabled\": false}, or tile the "
+        "feed-forward yourself with ds_ulysses.TiledMLP or sequence_tiled_compute")
+
+
+def _refuse_leaves_inside_mlps(model) -> None:
+    """Under ZeRO-3 a leaf module (DeepSpeed's ``zero_optimization.leaf_module``, ``set_z3_leaf_modules``)
+    has its parameters' gradients reduced from its own backward hook, not one per parameter. Inside a tiled
+    MLP that hook runs in every tile's recompute, before the tiles' gradients are summed, so DeepSpeed
+    reduces each of the leaf's parameters once per tile (LongCat-Flash's experts: its duplicate-parameter
+    check failed in backward): refused. An MLP that is itself the leaf (DeepSpeed's default for Mixtral's
+    and Qwen-MoE's blocks) is served: its hook runs once, after the tiles."""
+    from deepspeed.utils import z3_leaf_module
+
+    for mlp_name, mlp in mlp_modules(model):
+        inner = next(((n, m) for n, m in mlp.named_modules() if n and z3_leaf_module(m)), None)
+        if inner is not None:
+            raise ValueError(
+                f"tiled_mlp cannot serve {mlp_name} ({type(mlp).__name__}) under ZeRO-3: it holds the leaf module "
+                f"{inner[0]} ({type(inner[1]).__name__}), whose gradients DeepSpeed would reduce in every tile's "
+                f"recompute instead of once; expected the tiled MLP itself as the leaf, or no leaf inside it; fix: "
+                f"make the block the leaf (\"zero_optimization\": {{\"leaf_module\": {{\"classes\": "
+                f"[\"{type(mlp).__name__}\"]}}}}, or deepspeed.utils.set_z3_leaf_modules(model, "
+                f"[\"{type(mlp).__name__}\"])), or set \"tiled_mlp\": {{\"enabled\": false}}")
 
 
 def _sp_loader(training_data, mesh: Mesh, section: UlyssesConfig, micro_batch_size: int, collate_fn,
@@ -233,6 +275,8 @@ def initialize(model=None, config=None, mesh_param=None, model_parameters=None, 
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     engine, optimizer, _, scheduler = ds_initialize(
         args=args, model=model, model_parameters=model_parameters, config=ds_config, mpu=mesh, **deepspeed_kwargs)
+    if section.tiled_mlp.enabled and engine.zero_optimization_stage() == 3:
+        _refuse_leaves_inside_mlps(model)  # DeepSpeed flags its leaf modules in initialize
     _watch_engine(engine, mesh.sp_watch)
     if section.trim_host_heap:
         _trim_after_step(engine)

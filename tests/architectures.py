@@ -17,9 +17,10 @@ unsharded in one process. Each model comes out as one of
 
 ``--engine`` runs the same comparison (steps on plain samples, steps on packed samples, each kind with
 an engine of its own) through ``ds_ulysses.initialize`` under ZeRO-3 for
-:data:`ENGINE_MODELS`, with the default "ulysses" section (tiled loss on) and with the tiled loss off:
-the path where a model's head transform (Cohere ``logit_scale``, Granite ``logits_scaling``, Gemma
-softcapping) can be dropped. ``--engine-all`` runs every model through it with the default section.
+:data:`ENGINE_MODELS`, with each section of :data:`ENGINE_SECTIONS`: the default "ulysses" section
+(tiled loss on), the tiled loss off (the path where a model's head transform, Cohere ``logit_scale``,
+Granite ``logits_scaling``, Gemma softcapping, can be dropped), tiled MLPs, checkpoint offload.
+``--engine-all`` runs every model through it with one section (``--section``, the default one unless told).
 
 Many models share one pair of ranks (spawning costs more than a tiny model); the parent watches
 every case and, when one stalls or kills a rank, records it and restarts the ranks for the rest.
@@ -567,14 +568,18 @@ ENGINE_MODELS = ["llama", "cohere", "cohere2", "granite", "granitemoe", "gemma3_
                  "nanochat", "mixtral+aux", "gemma2"]
 # MoE blocks that run an expert only for the tokens routed to it, so that ranks holding different tokens
 # (SP ranks, or plain data-parallel ones) gather different parameters under ZeRO-3 and gloo aborts the step:
-# DeepSpeed's own remedy, with or without SP, is to make the block a ZeRO-3 leaf (gathered whole)
+# DeepSpeed's own remedy, with or without SP, is to make the block a ZeRO-3 leaf (gathered whole), what its
+# zero_optimization.leaf_module default does for Mixtral's, Qwen2-MoE's and Qwen3-MoE's blocks
 Z3_LEAF = {
-    "dbrx": "DbrxExperts",                   # calls its GLU submodule once per expert hit
-    "longcat_flash": "LongcatFlashExperts",  # a rank whose tokens all reach identity experts leaves the weights unused
+    "dbrx": "DbrxFFN",                  # its experts call their GLU submodule once per expert hit
+    "longcat_flash": "LongcatFlashMoE",  # a rank whose tokens all reach identity experts leaves the weights unused
 }
 ENGINE_SECTIONS = {
     "tiled": {},                                    # the default section: tiled loss on
     "untiled": {"tiled_loss": {"enabled": False}},  # the plain SP loss, for contrast
+    # every decoder MLP in 4 tiles (auto would leave a tiny model's 32-token shard in one)
+    "mlp": {"tiled_mlp": {"enabled": True, "shards": 4}},
+    "offload": {"activation_checkpoint_offload": {"enabled": True}},  # checkpointed layers, inputs on the host
 }
 
 
@@ -927,7 +932,9 @@ def main(argv=None) -> int:
     parser.add_argument("--engine", action="store_true", help="also ds_ulysses.initialize (ZeRO-3), tiled and "
                         "untiled loss, for ENGINE_MODELS (or the --models list)")
     parser.add_argument("--engine-all", action="store_true",
-                        help="also ds_ulysses.initialize with the default section (tiled loss) for every model")
+                        help="also ds_ulysses.initialize with --section for every model")
+    parser.add_argument("--section", choices=sorted(ENGINE_SECTIONS), default="tiled",
+                        help="the section --engine-all runs (default tiled: the defaults, tiled loss on)")
     parser.add_argument("--engine-only", action="store_true", help="skip the drop-in check")
     parser.add_argument("--out", default="architectures.jsonl", help="JSON lines; the Markdown goes next to it")
     parser.add_argument("--case-timeout", type=float, default=180.0, help="seconds before a stalled case is abandoned")
@@ -974,7 +981,7 @@ def main(argv=None) -> int:
     if args.engine:
         cases += [f"{m}@{s}" for m in (names if args.models else ENGINE_MODELS) for s in ENGINE_SECTIONS]
     if args.engine_all:
-        cases += [f"{m}@tiled" for m in names if f"{m}@tiled" not in cases]
+        cases += [f"{m}@{args.section}" for m in names if f"{m}@{args.section}" not in cases]
     if cases:
         records += run_cases(cases, "engine", case_timeout=args.case_timeout, log=log, steps=args.steps,
                              **layout).values()

@@ -5,7 +5,8 @@ inputs each layer saves for its recompute wait in host memory."""
 from ..memory.offload import OffloadedCheckpoint
 from ..patching import PATCHES
 
-__all__ = ["enable_activation_checkpoint_offload", "disable_activation_checkpoint_offload"]
+__all__ = ["enable_activation_checkpoint_offload", "disable_activation_checkpoint_offload",
+           "check_checkpoint_offload"]
 
 _TAG = "checkpoint_offload"
 
@@ -19,6 +20,7 @@ def enable_activation_checkpoint_offload(model):
     after a later `gradient_checkpointing_enable()`, which installs fresh checkpoint functions.
     Undone by `disable_activation_checkpoint_offload` or `ds_ulysses.uninstall`.
     """
+    check_checkpoint_offload(model)
     if not _checkpointing_on(model):
         owner = _checkpointing_owner(model)
         enable = getattr(owner, "activation_checkpointing_enable", None)
@@ -35,6 +37,20 @@ def enable_activation_checkpoint_offload(model):
             PATCHES.on_undo(lambda module=module: _unwrap(module), _TAG, owner=model)
         count += 1
     return count
+
+
+def check_checkpoint_offload(model) -> None:
+    """Raise unless :func:`enable_activation_checkpoint_offload` can serve `model`: its layers are
+    checkpointed already, or it is a model Transformers can checkpoint (``supports_gradient_checkpointing``)."""
+    if _checkpointing_on(model):
+        return
+    owner = _checkpointing_owner(model)
+    if getattr(owner, "supports_gradient_checkpointing", True) is False:
+        raise ValueError(
+            f"activation checkpoint offload needs gradient checkpointing, and {type(owner).__name__} does not "
+            "support it (supports_gradient_checkpointing is False); expected a model whose layers Transformers can "
+            "checkpoint; fix: set \"activation_checkpoint_offload\": {\"enabled\": false} (or do not call "
+            "enable_activation_checkpoint_offload for this model)")
 
 
 def disable_activation_checkpoint_offload(model):

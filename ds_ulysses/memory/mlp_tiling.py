@@ -9,7 +9,7 @@ from ..patching import PATCHES
 from .tiled_mlp import TiledMLP
 from .tiles import positive_int
 
-__all__ = ["tile_mlps", "untile_mlps"]
+__all__ = ["tile_mlps", "untile_mlps", "mlp_modules"]
 
 _TAG = "tiled_mlp"
 
@@ -27,15 +27,18 @@ def tile_mlps(model, shards="auto"):
     if shards != "auto":
         positive_int(shards, "shards")
     count = 0
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] != "mlp":
-            continue
+    for _, module in mlp_modules(model):
         if not PATCHES.has(_TAG, owner=module):
             untiled = module.forward
             PATCHES.set_attr(module, "forward", functools.partial(_tiled_mlp_forward, module, untiled), _TAG, module)
         PATCHES.set_attr(module, "_ds_ulysses_shards", shards, _TAG, module)
         count += 1
     return count
+
+
+def mlp_modules(model) -> list:
+    """The modules :func:`tile_mlps` tiles, every one in `model` named ``mlp``, as ``(name, module)``."""
+    return [(name, module) for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == "mlp"]
 
 
 def untile_mlps(model):

@@ -1,8 +1,9 @@
 """The architecture sweep's fast subset: representative models are exact under SP or refused by name.
 
 One SP step at sp 2 on 2 gloo ranks vs the unsharded model, through the drop-in API and (tiled loss,
-ZeRO-3) through ``ds_ulysses.initialize``, and Llama in other layouts (sp 4, a padded length, 2 rows;
-dp 2 x sp 2 for 3 steps); the full sweep is ``python -m tests.architectures``.
+ZeRO-3; a few with tiled MLPs or checkpoint offload) through ``ds_ulysses.initialize``, and Llama in
+other layouts (sp 4, a padded length, 2 rows; dp 2 x sp 2 for 3 steps); the full sweep is
+``python -m tests.architectures``.
 A model is never allowed to come out ``wrong`` (silently off) or ``crash``; a refusal must name the
 real cause.
 """
@@ -34,7 +35,13 @@ DROPIN = [
     "mixtral+aux",  # a router load-balancing loss the SP loss would drop: refused
 ]
 ENGINE = ["llama@tiled", "cohere@tiled", "granite@tiled", "gemma3_text@tiled",
-          "longcat_flash@tiled"]  # MoE with identity experts, as a ZeRO-3 leaf (without one gloo aborts the step)
+          "longcat_flash@tiled",  # MoE with identity experts, its block a ZeRO-3 leaf (without, gloo aborts the step)
+          "mixtral@mlp",          # tiled MLPs; the MoE block is a ZeRO-3 leaf by DeepSpeed's default
+          "longcat_flash@mlp",    # tiled MLPs, the tiled block the leaf
+          "opt@mlp",              # no module named mlp: tiled_mlp refused, not silently off
+          "llama@offload"]        # checkpointed layers with their inputs on the host
+# the cause a refusal must name
+REFUSED_FOR = {"opt@mlp": "tiled_mlp is enabled but OPTForCausalLM's decoder has no module named 'mlp'"}
 
 
 def _names(params) -> list[str]:
@@ -69,6 +76,8 @@ def test_dropin_api_is_exact_or_refuses(name, dropin_results):
 @pytest.mark.parametrize("case", ENGINE)
 def test_initialize_tiled_loss_is_exact_or_refuses(case, engine_results):
     _check(engine_results[case])
+    if case in REFUSED_FOR:
+        assert engine_results[case]["status"] == "refused" and REFUSED_FOR[case] in engine_results[case]["message"]
 
 
 def test_the_sweep_runs_in_another_layout():

@@ -127,6 +127,46 @@ def _mpu_and_section(rank, world_size):
     return first, None
 
 
+def _tiled_mlp_refusals(rank, world_size):
+    """tiled_mlp on a model with nothing named ``mlp``, and on MLPs holding a ZeRO-3 leaf module."""
+    import transformers
+    from deepspeed.utils import set_z3_leaf_modules_by_name
+
+    import ds_ulysses
+
+    from tests.support.models import tiny_config, tiny_model
+
+    section = {"tiled_mlp": {"enabled": True, "shards": 2}}
+    errors = {}
+    opt = transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=4,
+        word_embed_proj_dim=32, max_position_embeddings=64))
+    for name, model, stage in [("no_mlp", opt, 3), ("leaf_inside", tiny_model(tiny_config("llama")), 3),
+                               ("leaf_inside_zero2", tiny_model(tiny_config("llama")), 2)]:
+        if name.startswith("leaf_inside"):
+            set_z3_leaf_modules_by_name(model, ["model.layers.0.mlp.down_proj"])
+        try:
+            ds_ulysses.initialize(model=model, config=ds_config(stage, extra_section=section))
+            errors[name] = None
+        except ValueError as err:
+            errors[name] = str(err)
+        ds_ulysses.uninstall()
+    return errors
+
+
+def test_tiled_mlp_that_would_tile_nothing_or_reduce_per_tile_is_refused():
+    """A decoder without a module named ``mlp`` would train untiled with the switch on; a ZeRO-3 leaf module
+    inside a tiled MLP would have its gradients reduced in every tile's recompute. ZeRO-2 has no leaf hooks."""
+    for errors in run_distributed(_tiled_mlp_refusals, 2):
+        assert "tiled_mlp is enabled but OPTForCausalLM's decoder has no module named 'mlp' to tile (its first " \
+               "layer holds: self_attn" in errors["no_mlp"]
+        assert '"tiled_mlp": {"enabled": false}' in errors["no_mlp"]
+        assert "tiled_mlp cannot serve model.layers.0.mlp (LlamaMLP) under ZeRO-3: it holds the leaf module " \
+               "down_proj (Linear)" in errors["leaf_inside"]
+        assert '"leaf_module": {"classes": ["LlamaMLP"]}' in errors["leaf_inside"]
+        assert errors["leaf_inside_zero2"] is None
+
+
 def test_conflicting_wiring_is_refused_on_every_rank():
     for first, second in run_distributed(_mpu_and_section, 2):
         assert "got both an mpu (object) and a \"ulysses\" config section" in first

@@ -156,3 +156,17 @@ def test_model_without_checkpointing_support_is_rejected():
     with pytest.raises(ValueError, match="needs a HuggingFace model with gradient checkpointing support, got "
                                          "Linear"):
         enable_activation_checkpoint_offload(nn.Linear(2, 2))
+
+
+def test_model_transformers_cannot_checkpoint_is_refused_naming_the_switch():
+    """JetMoE declares supports_gradient_checkpointing = False: refused with the config fix, nothing changed."""
+    import transformers
+
+    model = transformers.JetMoeForCausalLM(transformers.JetMoeConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        kv_channels=8, intermediate_size=32, num_local_experts=2, num_experts_per_tok=1))
+    with pytest.raises(ValueError, match=r"activation checkpoint offload needs gradient checkpointing, and "
+                                         r"JetMoeForCausalLM does not support it .*fix: set "
+                                         r'"activation_checkpoint_offload": \{"enabled": false\}'):
+        enable_activation_checkpoint_offload(model)
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
