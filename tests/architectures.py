@@ -18,8 +18,10 @@ unsharded in one process. Each model comes out as one of
 ``--engine`` runs the same comparison (steps on plain samples, steps on packed samples, each kind with
 an engine of its own) through ``ds_ulysses.initialize`` under ZeRO-3 for
 :data:`ENGINE_MODELS`, with each section of :data:`ENGINE_SECTIONS`: the default "ulysses" section
-(tiled loss on), the tiled loss off (the path where a model's head transform, Cohere ``logit_scale``,
-Granite ``logits_scaling``, Gemma softcapping, can be dropped), tiled MLPs, checkpoint offload.
+(tiled loss on, its "auto" tile count one at these lengths), the tiled loss off (the path where a model's
+head transform, Cohere ``logit_scale``, Granite ``logits_scaling``, Gemma softcapping, can be dropped),
+the loss in 4 tiles (the fused head and cross-entropy that "auto" picks at long sequences), tiled MLPs,
+checkpoint offload.
 ``--engine-all`` runs every model through it with one section (``--section``, the default one unless told).
 
 Many models share one pair of ranks (spawning costs more than a tiny model); the parent watches
@@ -27,6 +29,7 @@ every case and, when one stalls or kills a rank, records it and restarts the ran
 
     python -m tests.architectures [--all | --models llama,gpt2] [--engine] [--engine-all] [--out FILE]
                                   [--sp N] [--dp N] [--length TOKENS] [--docs A,B,C] [--batch ROWS] [--steps N]
+                                  [--gas N] [--zero N]
 
 ``--sp``, ``--dp``, ``--length``, ``--docs`` and ``--batch`` pick another layout than the default (one SP
 group of 2 ranks, one row of 64 tokens, documents 24+25+15): e.g. sp 4, where the tiny models' 2 KV heads
@@ -34,7 +37,11 @@ are replicated over the ranks; sp 3, where 4 query heads split unevenly; dp 2, t
 sample of its own, where the engine's gradient must be the mean of the samples' unsharded gradients; a
 length that is not a multiple of sp, which the adapter pads; micro-batches of several rows. ``--steps N``
 runs the engine check for N optimizer steps (lr 0, so the reference's weights hold), each on a new sample:
-what a step leaves behind (ZeRO-3's recorded trace, the SP hooks' state) meets the next one.
+what a step leaves behind (ZeRO-3's recorded trace, the SP hooks' state) meets the next one. ``--gas N``
+makes each step N micro-batches (gradient_accumulation_steps), each on a new sample: the step's gradient
+must be the mean of its micro-batches' unsharded gradients (DeepSpeed scales each loss by 1/N).
+``--zero N`` runs the engine check under ZeRO stage N instead of 3 (each stage reduces SP peers'
+gradients on a path of its own; the MoE leaves are ZeRO-3's and only set there).
 
 writes ``FILE`` (JSON lines, one record per model) and ``FILE`` with ``.md`` (a table grouped by
 cause). The fast subset for ``make test`` is ``tests/integration/test_architectures.py``.
@@ -414,7 +421,7 @@ def _deterministic(model, sample: dict) -> bool:
 
 def _samples(count: int, length: int, docs: list[int], batch: int) -> dict:
     """``count`` samples of each kind: rank r's drop-in loader reads sample r; the engine's SP group g
-    trains on sample g * steps + s in its step s."""
+    trains on sample g * micros + m in its micro-batch m (micros = steps x gas)."""
     from tests.support.sp_cases import make_sample
 
     return {"plain": [make_sample(100 + k, length, bs=batch) for k in range(count)],
@@ -468,7 +475,7 @@ def _step(loss: float, grads: dict, has: dict, ref: dict) -> dict:
         if worst[1] is None or err > worst[0]:
             worst = (err, name)
     ref_bad = not math.isfinite(ref["loss"]) or any(g is not None and not _finite(g) for g in ref["grads"].values())
-    return {"loss_rel": abs(loss - ref["loss"]) / max(abs(ref["loss"]), 1e-30), "sp_loss": loss,
+    return {"loss_rel": _loss_rel(loss, ref["loss"]), "sp_loss": loss,
             "ref_loss": ref["loss"], "grad_rel": worst[0], "grad_param": worst[1], "no_grad": no_grad,
             "unexpected_grad": unexpected, "nonfinite": nonfinite, "ref_nonfinite": ref_bad}
 
@@ -561,7 +568,7 @@ def sp_step_check(rank: int, sp: int, name: str, samples: dict, phase=lambda p: 
     return _outcome(rec, steps)
 
 
-# -- the engine check (ds_ulysses.initialize, default section, ZeRO-3) ----------------------------------
+# -- the engine check (ds_ulysses.initialize, default section, ZeRO-3 unless told) ----------------------
 
 # models whose head transforms logits (or hidden states) after the decoder, plus a baseline and an aux loss
 ENGINE_MODELS = ["llama", "cohere", "cohere2", "granite", "granitemoe", "gemma3_text", "minicpm3", "hyperclovax",
@@ -575,53 +582,62 @@ Z3_LEAF = {
     "longcat_flash": "LongcatFlashMoE",  # a rank whose tokens all reach identity experts leaves the weights unused
 }
 ENGINE_SECTIONS = {
-    "tiled": {},                                    # the default section: tiled loss on
+    "tiled": {},                                    # the default section: tiled loss on, "auto" tiles (one here)
     "untiled": {"tiled_loss": {"enabled": False}},  # the plain SP loss, for contrast
+    # the loss in 4 tiles, as "auto" gives at long sequences: the fused head + cross-entropy, per tile
+    "loss-tiles": {"tiled_loss": {"enabled": True, "shards": 4}},
     # every decoder MLP in 4 tiles (auto would leave a tiny model's 32-token shard in one)
     "mlp": {"tiled_mlp": {"enabled": True, "shards": 4}},
     "offload": {"activation_checkpoint_offload": {"enabled": True}},  # checkpointed layers, inputs on the host
 }
 
 
-def _dp_reference(refs: list, group: int) -> dict:
-    """What SP group ``group`` must reproduce when every group trains on its own sample of ``refs``: its own
-    sample's loss, and the gradient DeepSpeed averages over the data-parallel groups (a parameter no sample
-    reached has none)."""
+def _mean_grads(refs: list) -> dict:
+    """The gradient DeepSpeed forms from the micro-batches of ``refs`` (every SP group's, every accumulated
+    one): each micro-batch's loss scaled by 1/GAS, the sum averaged over the data-parallel groups, so the
+    plain mean (a parameter no micro-batch reached has none)."""
     grads = {}
     for name in refs[0]["grads"]:
         got = [r["grads"][name] for r in refs if r["grads"][name] is not None]
         grads[name] = torch.stack(got).sum(0) / len(refs) if got else None
-    return {"loss": refs[group]["loss"], "grads": grads}
+    return grads
 
 
-def _engine_data(samples: list, world: int, sp: int, steps: int, keys: tuple) -> list:
-    """Data items such that SP group g's micro-batch s is sample ``g * steps + s``, its rows in order.
+def _loss_rel(loss: float, ref_loss: float) -> float:
+    return abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
+
+
+def _engine_data(samples: list, world: int, sp: int, micros: int, keys: tuple) -> list:
+    """Data items such that SP group g's micro-batch m is sample ``g * micros + m``, its rows in order.
 
     DistributedSampler (no shuffle) gives rank r items ``r + world * t``, its t-th row overall (row
     ``t % batch`` of its batch ``t // batch``), and the adapter hands an SP group, for each batch of its
     loaders, one micro-batch per member rank: micro-batch ``k * sp + m`` is member m's batch k.
     """
     batch = samples[0]["input_ids"].shape[0]
-    rows = batch * (-(-steps // sp) + 1)  # every batch a micro-batch reaches, and one more for drop_last
+    rows = batch * (-(-micros // sp) + 1)  # every batch a micro-batch reaches, and one more for drop_last
     data = []
     for i in range(world * rows):
         r, t = i % world, i // world
-        step = (t // batch) * sp + r % sp
-        sample = samples[(r // sp) * steps + step % steps]  # past the last step: any sample
+        micro = (t // batch) * sp + r % sp
+        sample = samples[(r // sp) * micros + micro % micros]  # past the last micro-batch: any sample
         data.append({key: sample[key][t % batch] for key in keys})
     return data
 
 
-def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda p: None, steps: int = 1) -> dict:
-    """``case`` = ``model@section``: ``steps`` steps through ``ds_ulysses.initialize`` under ZeRO-3 at sp
-    ``sp`` (forward, backward, compare, ``engine.step()``), on plain samples and, with an engine of its
-    own, on packed ones, a new sample each step. With more ranks than ``sp`` the mesh is dp x sp, every
-    SP group on samples of its own.
+def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda p: None, steps: int = 1,
+                      gas: int = 1, zero: int = 3) -> dict:
+    """``case`` = ``model@section``: ``steps`` steps through ``ds_ulysses.initialize`` under ZeRO stage
+    ``zero`` at sp ``sp``, on plain samples and, with an engine of its own, on packed ones, a new sample each
+    micro-batch. A step is ``gas`` micro-batches (forward, backward, ``engine.step()``), its gradient
+    compared before the last ``engine.step()``, each micro-batch's loss with its own sample's. With more
+    ranks than ``sp`` the mesh is dp x sp, every SP group on samples of its own.
 
     The optimizer runs with lr 0, so every step meets the reference's weights; what a second step
     checks is the state the first leaves behind (ZeRO-3's recorded trace and prefetch, zeroed gradients,
-    the SP hooks' per-batch state). ZeRO-3's reduce-scatter gives every rank the full gradient, averaged
-    over the data-parallel groups (``safe_get_full_grad``), so no sum over ranks here.
+    the SP hooks' per-batch state). ``safe_get_full_grad`` gives every rank the full gradient, averaged
+    over the data-parallel groups (ZeRO-3's and ZeRO-1/2's partitions gathered, ZeRO-0's all-reduced
+    ``.grad``), so no sum over ranks here.
     """
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
@@ -629,24 +645,25 @@ def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda
     import ds_ulysses
 
     name, section_name = case.split("@")
-    rec = {"model": name, "mode": f"engine-{section_name}", "config_note": OVERRIDES.get(name, (None, ""))[1]}
+    rec = {"model": name, "mode": f"engine-{section_name}", "config_note": OVERRIDES.get(name, (None, ""))[1],
+           "zero": zero}
     world = dist.get_world_size()
     dp = world // sp
     phase("build and reference")
     try:
-        model, refs = _prepare(name, rec, {kind: ss[:dp * steps] for kind, ss in samples.items()})
+        model, refs = _prepare(name, rec, {kind: ss[:dp * steps * gas] for kind, ss in samples.items()})
     except Skip as why:
         return {**rec, "status": "skipped", "why": str(why)}
-    if model_type_of(name) in Z3_LEAF:
+    if zero == 3 and model_type_of(name) in Z3_LEAF:
         from deepspeed.utils import set_z3_leaf_modules
 
         rec["z3_leaf"] = Z3_LEAF[model_type_of(name)]
         set_z3_leaf_modules(model, [rec["z3_leaf"]])
     models = {"plain": model, "packed": copy.deepcopy(model)}  # ZeRO-3 partitions the model it wraps
     config = {
-        "train_micro_batch_size_per_gpu": samples["plain"][0]["input_ids"].shape[0], "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": samples["plain"][0]["input_ids"].shape[0], "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}},
-        "zero_optimization": {"stage": 3},
+        "zero_optimization": {"stage": zero},
         "ulysses": {"sequence_parallel_size": sp, **ENGINE_SECTIONS[section_name]},
     }
     done, current, first_forward = {kind: [] for kind in models}, "setup", True
@@ -656,23 +673,31 @@ def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda
         try:
             current = "setup" if first_forward else f"{kind} setup"
             phase(current)
-            engine, _, loader, _ = ds_ulysses.initialize(model=model, config=config,
-                                                         training_data=_engine_data(samples[kind], world, sp, steps,
-                                                                                    keys))
+            data = _engine_data(samples[kind], world, sp, steps * gas, keys)
+            engine, _, loader, _ = ds_ulysses.initialize(model=model, config=config, training_data=data)
             group, micro_batches = engine.mpu.get_data_parallel_rank(), iter(loader)
             for s in range(steps):
-                current = f"{kind} step {s} forward"
-                phase(current)
-                loss = engine(**next(micro_batches)).loss
-                first_forward = False
-                current = f"{kind} step {s} backward"
-                phase(current)
-                engine.backward(loss)
+                sample_of = [[(g * steps + s) * gas + a for a in range(gas)] for g in range(dp)]
+                losses = []
+                for a, k in enumerate(sample_of[group]):
+                    at = f"{kind} step {s}" + (f" micro-batch {a}" if gas > 1 else "")
+                    current = f"{at} forward"
+                    phase(current)
+                    loss = engine(**next(micro_batches)).loss
+                    first_forward = False
+                    losses.append((loss.item(), refs[kind][k]["loss"]))
+                    current = f"{at} backward"
+                    phase(current)
+                    engine.backward(loss)
+                    if a < gas - 1:
+                        current = f"{at} optimizer"
+                        engine.step()
                 current = f"{kind} step {s} compare"
                 grads = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
                 has = {n: g is not None for n, g in grads.items()}
-                ref = _dp_reference([refs[kind][g * steps + s] for g in range(dp)], group)
-                done[kind].append(_step(loss.item(), {n: g.float() for n, g in grads.items() if g is not None}, has,
+                sp_loss, ref_loss = max(losses, key=lambda pair: _loss_rel(*pair))
+                ref = {"loss": ref_loss, "grads": _mean_grads([refs[kind][k] for ks in sample_of for k in ks])}
+                done[kind].append(_step(sp_loss, {n: g.float() for n, g in grads.items() if g is not None}, has,
                                         ref))
                 current = f"{kind} step {s} optimizer"
                 engine.step()
@@ -690,7 +715,7 @@ CHECKS = {"dropin": sp_step_check, "engine": engine_step_check}
 
 
 def _rank_main(rank: int, world_size: int, sp: int, port: int, check: str, cases: list, queue, length: int,
-               docs: list[int], batch: int, steps: int) -> None:
+               docs: list[int], batch: int, engine_opts: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
@@ -702,8 +727,9 @@ def _rank_main(rank: int, world_size: int, sp: int, port: int, check: str, cases
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     fn = CHECKS[check]
-    samples = _samples(max(world_size, world_size // sp * steps), length, docs, batch)
-    extra = {"steps": steps} if check == "engine" else {}
+    micros = engine_opts["steps"] * engine_opts["gas"]
+    samples = _samples(max(world_size, world_size // sp * micros), length, docs, batch)
+    extra = engine_opts if check == "engine" else {}
     for case in cases:
         queue.put(("start", rank, case, None))
         try:
@@ -735,12 +761,12 @@ def _merge(case: str, by_rank: dict) -> dict:
 
 def run_cases(cases: list, check: str = "dropin", sp: int = SP, case_timeout: float = 180.0,
               log=None, length: int = LENGTH, docs: list[int] = PACKED_DOCS, batch: int = 1, dp: int = 1,
-              steps: int = 1) -> dict:
+              steps: int = 1, gas: int = 1, zero: int = 3) -> dict:
     """Run ``check`` for every case on ``dp * sp`` spawned gloo ranks (``dp`` SP groups of ``sp`` ranks);
     {case: record}.
 
     Samples have ``batch`` rows of ``length`` tokens, plain and packed from ``docs``: one per rank, and
-    for the engine check ``steps`` per SP group.
+    for the engine check ``steps`` x ``gas`` per SP group (``zero``: its ZeRO stage).
 
     Cases share a process group; a case that stalls (no rank finishes it within ``case_timeout``) or
     kills a rank is recorded as a crash, the ranks are restarted, and the sweep goes on.
@@ -756,7 +782,8 @@ def run_cases(cases: list, check: str = "dropin", sp: int = SP, case_timeout: fl
     while remaining:
         queue, port = ctx.Queue(), free_port()
         procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(r, world_size, sp, port, check, remaining, queue, length, docs, batch, steps))
+                             args=(r, world_size, sp, port, check, remaining, queue, length, docs, batch,
+                                   {"steps": steps, "gas": gas, "zero": zero}))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -929,8 +956,8 @@ def main(argv=None) -> int:
     pick = parser.add_mutually_exclusive_group()
     pick.add_argument("--all", action="store_true", help="every candidate model type and variant (the default)")
     pick.add_argument("--models", help="comma-separated model types or variants (type+variant)")
-    parser.add_argument("--engine", action="store_true", help="also ds_ulysses.initialize (ZeRO-3), tiled and "
-                        "untiled loss, for ENGINE_MODELS (or the --models list)")
+    parser.add_argument("--engine", action="store_true", help="also ds_ulysses.initialize (ZeRO-3 unless --zero) "
+                        "with every section, for ENGINE_MODELS (or the --models list)")
     parser.add_argument("--engine-all", action="store_true",
                         help="also ds_ulysses.initialize with --section for every model")
     parser.add_argument("--section", choices=sorted(ENGINE_SECTIONS), default="tiled",
@@ -948,6 +975,10 @@ def main(argv=None) -> int:
                         "ranks; the engine check averages the groups' gradients (default 1)")
     parser.add_argument("--steps", type=int, default=1, help="steps of the initialize check, each on a new sample, "
                         "the optimizer at lr 0 (default 1)")
+    parser.add_argument("--gas", type=int, default=1, help="micro-batches per step of the initialize check "
+                        "(gradient_accumulation_steps), each on a new sample (default 1)")
+    parser.add_argument("--zero", type=int, choices=range(4), default=3, help="the ZeRO stage of the initialize check "
+                        "(default 3)")
     args = parser.parse_args(argv)
     docs = args.docs
     if args.sp < 2:
@@ -961,6 +992,8 @@ def main(argv=None) -> int:
         parser.error(f"--dp {args.dp}: expected at least one SP group")
     if args.steps < 1:
         parser.error(f"--steps {args.steps}: expected at least one step")
+    if args.gas < 1:
+        parser.error(f"--gas {args.gas}: expected at least one micro-batch per step")
     layout = dict(sp=args.sp, dp=args.dp, length=args.length, docs=docs, batch=args.batch)
     _quiet()
     import ds_ulysses  # noqa: F401 -- fail here, once, rather than in every case on every rank
@@ -983,8 +1016,8 @@ def main(argv=None) -> int:
     if args.engine_all:
         cases += [f"{m}@{args.section}" for m in names if f"{m}@{args.section}" not in cases]
     if cases:
-        records += run_cases(cases, "engine", case_timeout=args.case_timeout, log=log, steps=args.steps,
-                             **layout).values()
+        records += run_cases(cases, "engine", case_timeout=args.case_timeout, log=log, steps=args.steps, gas=args.gas,
+                             zero=args.zero, **layout).values()
     took = time.time() - started
     import transformers
 
@@ -992,7 +1025,7 @@ def main(argv=None) -> int:
               f"variants swept, {len(skipped)} model types left out before building; {took:.0f} s on "
               f"{os.cpu_count()} cores. Exact: loss rel <= {LOSS_TOL:g} and every gradient rel <= {GRAD_TOL:g}. "
               f"Samples: {args.batch} x {args.length} tokens plain, and packed documents {docs} per row; "
-              f"{args.steps} step(s) per engine.")
+              f"{args.steps} step(s) of {args.gas} micro-batch(es) per engine, ZeRO-{args.zero}.")
     md = write_reports(records, args.out, header, sp=args.sp, dp=args.dp)
     print(f"{took:.0f} s; wrote {args.out} and {md}")
     return 0

@@ -2,8 +2,8 @@
 
 One SP step at sp 2 on 2 gloo ranks vs the unsharded model, through the drop-in API and (tiled loss,
 ZeRO-3; a few with tiled MLPs or checkpoint offload) through ``ds_ulysses.initialize``, and Llama in
-other layouts (sp 4, a padded length, 2 rows; dp 2 x sp 2 for 3 steps); the full sweep is
-``python -m tests.architectures``.
+other layouts (sp 4, a padded length, 2 rows; dp 2 x sp 2 for 3 steps; 2 micro-batches per step, Mixtral
+among it); the full sweep is ``python -m tests.architectures``.
 A model is never allowed to come out ``wrong`` (silently off) or ``crash``; a refusal must name the
 real cause.
 """
@@ -99,6 +99,20 @@ def test_the_engine_check_runs_data_parallel_sp_groups_for_several_steps():
     rec = run_cases(["llama@tiled"], "engine", sp=2, dp=2, steps=3, case_timeout=120)["llama@tiled"]
     assert rec["status"] == "exact", summary(rec)
     assert [len(rec["steps"][kind]) for kind in ("plain", "packed")] == [3, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["llama@loss-tiles", "mixtral@mlp"])
+def test_the_engine_check_accumulates_gradients_over_micro_batches(case):
+    """``--gas 2 --steps 2``: gradient_accumulation_steps 2 with the loss in 4 tiles (the fused head and
+    cross-entropy, its gradient computed in forward and scaled in backward by the 1/GAS DeepSpeed puts on
+    each micro-batch's loss) and with tiled MLPs (their parameters' gradients held back over the tiles,
+    then reduced), Mixtral's MoE block, DeepSpeed's default ZeRO-3 leaf, being the tiled MLP. Each step's
+    gradient must be the mean of its two micro-batches' unsharded gradients (comparing with the last
+    micro-batch's alone comes out wrong)."""
+    rec = run_cases([case], "engine", sp=2, steps=2, gas=2, case_timeout=120)[case]
+    assert rec["status"] == "exact", summary(rec)
+    assert [len(rec["steps"][kind]) for kind in ("plain", "packed")] == [2, 2]
 
 
 def test_the_sweep_writes_its_reports_into_a_directory_it_makes(tmp_path):
