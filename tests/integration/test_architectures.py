@@ -1,9 +1,9 @@
 """The architecture sweep's fast subset: representative models are exact under SP or refused by name.
 
 One SP step at sp 2 on 2 gloo ranks vs the unsharded model, through the drop-in API and (tiled loss,
-ZeRO-3; a few with tiled MLPs or checkpoint offload) through ``ds_ulysses.initialize``, and Llama in
-other layouts (sp 4, a padded length, 2 rows; dp 2 x sp 2 for 3 steps; 2 micro-batches per step, Mixtral
-among it); the full sweep is ``python -m tests.architectures``.
+ZeRO-3; a few with tiled MLPs, checkpoint offload or both with the loss in tiles) through
+``ds_ulysses.initialize``, and Llama in other layouts (sp 4, a padded length, 2 rows; dp 2 x sp 2 for 3
+steps; 2 micro-batches per step, Mixtral among it); the full sweep is ``python -m tests.architectures``.
 A model is never allowed to come out ``wrong`` (silently off) or ``crash``; a refusal must name the
 real cause.
 """
@@ -39,7 +39,8 @@ ENGINE = ["llama@tiled", "cohere@tiled", "granite@tiled", "gemma3_text@tiled",
           "mixtral@mlp",          # tiled MLPs; the MoE block is a ZeRO-3 leaf by DeepSpeed's default
           "longcat_flash@mlp",    # tiled MLPs, the tiled block the leaf
           "opt@mlp",              # no module named mlp: tiled_mlp refused, not silently off
-          "llama@offload"]        # checkpointed layers with their inputs on the host
+          "llama@offload",        # checkpointed layers with their inputs on the host
+          "gemma3_text@all-tools"]  # loss tiles, tiled MLPs and offload at once; a tied, soft-capped head
 # the cause a refusal must name
 REFUSED_FOR = {"opt@mlp": "tiled_mlp is enabled but OPTForCausalLM's decoder has no module named 'mlp'"}
 
