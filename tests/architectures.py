@@ -13,7 +13,9 @@ unsharded in one process. Each model comes out as one of
 - ``wrong``: ran, numbers off (loss rel, worst gradient and its parameter, parameters left without a
   gradient) -- the worst outcome;
 - ``crash``: any other exception (type, message, innermost ds_ulysses and transformers frames);
-- ``skipped``: could not be built tiny or does not run unsharded (not a finding about SP).
+- ``skipped``: could not be built tiny or does not run unsharded (not a finding about SP);
+- ``n/a``: ran, but the unsharded model's own gradients are non-finite on every step, so nothing was
+  compared (a model with some such steps is judged on the others, and the summary counts the left-out).
 
 ``--engine`` runs the same comparison (steps on plain samples, steps on packed samples, each kind with
 an engine of its own) through ``ds_ulysses.initialize`` under ZeRO-3 for
@@ -515,10 +517,12 @@ def _judge(steps: list) -> str:
 
 
 def _outcome(rec: dict, steps: dict) -> dict:
+    """wrong if a kind is, n/a if no kind compared anything (not counted as exact), else exact."""
     rec["steps"] = steps
     for kind, done in steps.items():
         rec[kind] = _judge(done)
-    rec["status"] = "wrong" if "wrong" in [rec[kind] for kind in steps] else "exact"
+    verdicts = [rec[kind] for kind in steps]
+    rec["status"] = "wrong" if "wrong" in verdicts else "n/a" if set(verdicts) == {"n/a"} else "exact"
     return rec
 
 
@@ -662,7 +666,7 @@ def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda
 
         rec["z3_leaf"] = Z3_LEAF[model_type_of(name)]
         set_z3_leaf_modules(model, [rec["z3_leaf"]])
-    models = {"plain": model, "packed": copy.deepcopy(model)}  # ZeRO-3 partitions the model it wraps
+    models = {"plain": model, "packed": copy.deepcopy(model)}  # ZeRO partitions or flattens the model it wraps
     config = {
         "train_micro_batch_size_per_gpu": samples["plain"][0]["input_ids"].shape[0], "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}},
@@ -747,14 +751,14 @@ def _rank_main(rank: int, world_size: int, sp: int, port: int, check: str, cases
     dist.destroy_process_group()
 
 
-_ORDER = {"crash": 4, "wrong": 3, "refused": 2, "exact": 1, "skipped": 0}
+_ORDER = {"crash": 5, "wrong": 4, "refused": 3, "exact": 2, "n/a": 1, "skipped": 0}
 
 
 def _merge(case: str, by_rank: dict) -> dict:
     """One record per case: the rank with the worse status (rank 0 on a tie; its numbers equal its SP
     group's: gradients are summed over the group and the loss is the group's mean on every rank)."""
     recs = [by_rank[r] for r in sorted(by_rank)]
-    worst = max(recs, key=lambda r: _ORDER.get(r["status"], 5))
+    worst = max(recs, key=lambda r: _ORDER.get(r["status"], 6))
     out = dict(worst)
     statuses = {r: rec["status"] for r, rec in by_rank.items()}
     if len(set(statuses.values())) > 1:
@@ -868,6 +872,8 @@ def cause(rec: dict) -> str:
         return "exact"
     if status == "skipped":
         return "skipped: " + rec.get("why", "").split(":")[0]
+    if status == "n/a":
+        return "n/a: the unsharded model's own gradients are non-finite on every step"
     if status == "refused":
         msg = rec["message"].split("model not servable by Ulysses SP:")[-1]
         return "refused: " + _norm(msg.split(";")[0].strip())[:110]
@@ -889,7 +895,7 @@ def cause(rec: dict) -> str:
 
 def summary(rec: dict) -> str:
     """The record's numbers or message, one line."""
-    if rec["status"] in ("exact", "wrong"):
+    if rec["status"] in ("exact", "wrong", "n/a"):
         parts = [] if rec.get("train_mode", True) else ["eval mode (the model samples in training)"]
         if rec.get("z3_leaf"):
             parts.append(f"{rec['z3_leaf']} a ZeRO-3 leaf")
@@ -936,7 +942,7 @@ def write_reports(records: list, out: str, header: str = "", sp: int = SP, dp: i
     lines = [f"# Architecture sweep at sp {sp}" + (f", dp {dp}" if dp > 1 else ""), "", header, "",
              "| mode | " + " | ".join(statuses) + " |", "|---" * (len(statuses) + 1) + "|"]
     lines += [f"| {mode} | " + " | ".join(str(by.get(st, 0)) for st in statuses) + " |" for mode, by in counts.items()]
-    order = sorted(groups, key=lambda c: (-_ORDER.get(groups[c][0]["status"], 5), c))
+    order = sorted(groups, key=lambda c: (-_ORDER.get(groups[c][0]["status"], 6), c))
     for key in order:
         lines += ["", f"## {key} ({len(groups[key])})", "", "| model | mode | details |", "|---|---|---|"]
         for rec in groups[key]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.architectures import run_cases, summary, write_reports
+from tests.architectures import _outcome, run_cases, summary, write_reports
 
 DROPIN = [
     "llama", "qwen3", "gemma3_text", "cohere", "granite", "gpt_neox", "phi",
@@ -114,6 +114,18 @@ def test_the_engine_check_accumulates_gradients_over_micro_batches(case):
     rec = run_cases([case], "engine", sp=2, steps=2, gas=2, case_timeout=120)[case]
     assert rec["status"] == "exact", summary(rec)
     assert [len(rec["steps"][kind]) for kind in ("plain", "packed")] == [2, 2]
+
+
+def test_a_model_with_nothing_to_compare_is_not_counted_exact():
+    """A step whose unsharded reference is non-finite is left out; a model left with no compared step at all
+    is ``n/a`` (Gemma 3n at dp 2 with 2 micro-batches: every step's mean gradient had a non-finite
+    sample), not ``exact``, and one wrong step makes it ``wrong``."""
+    ok = {"loss_rel": 0.0, "grad_rel": 0.0, "no_grad": [], "ref_nonfinite": False}
+    off = {**ok, "grad_rel": 1.0}
+    na = {**off, "ref_nonfinite": True}
+    assert _outcome({}, {"plain": [na], "packed": [na, na]})["status"] == "n/a"
+    assert _outcome({}, {"plain": [na, ok], "packed": [na]})["status"] == "exact"
+    assert _outcome({}, {"plain": [na], "packed": [ok, off]})["status"] == "wrong"
 
 
 def test_the_sweep_writes_its_reports_into_a_directory_it_makes(tmp_path):
