@@ -31,7 +31,7 @@ every case and, when one stalls or kills a rank, records it and restarts the ran
 
     python -m tests.architectures [--all | --models llama,gpt2] [--engine] [--engine-all] [--out FILE]
                                   [--sp N] [--dp N] [--length TOKENS] [--docs A,B,C] [--batch ROWS] [--steps N]
-                                  [--gas N] [--zero N]
+                                  [--gas N] [--zero N] [--dtype bf16]
 
 ``--sp``, ``--dp``, ``--length``, ``--docs`` and ``--batch`` pick another layout than the default (one SP
 group of 2 ranks, one row of 64 tokens, documents 24+25+15): e.g. sp 4, where the tiny models' 2 KV heads
@@ -43,7 +43,10 @@ what a step leaves behind (ZeRO-3's recorded trace, the SP hooks' state) meets t
 makes each step N micro-batches (gradient_accumulation_steps), each on a new sample: the step's gradient
 must be the mean of its micro-batches' unsharded gradients (DeepSpeed scales each loss by 1/N).
 ``--zero N`` runs the engine check under ZeRO stage N instead of 3 (each stage reduces SP peers'
-gradients on a path of its own; the MoE leaves are ZeRO-3's and only set there).
+gradients on a path of its own; the MoE leaves are ZeRO-3's and only set there). ``--dtype bf16`` runs
+the engine with ``"bf16": {"enabled": true}`` (at ZeRO-0 and ZeRO-1 DeepSpeed then reduces through optimizer
+wrappers fp32 never uses) and judges it against the fp32 reference, the unsharded bf16 model's own distance
+from it being the noise (``_step``): a scale or a dropped term shows far above it, rounding does not.
 
 writes ``FILE`` (JSON lines, one record per model) and ``FILE`` with ``.md`` (a table grouped by
 cause). The fast subset for ``make test`` is ``tests/integration/test_architectures.py``.
@@ -66,6 +69,14 @@ import warnings
 import torch
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # design.md's correctness bar (fp32, CPU)
+# bf16 (--dtype bf16): the SP run's distance from the fp32 reference, for the loss and for each gradient,
+# may be this many times the unsharded bf16 model's own distance (its noise), or up to the floor. A
+# gradient's distance is relative to its norm or, for gradients under BF16_NORM_FLOOR of the whole
+# model's, to that floor: DiffLlama's lambdas and xIELU's alphas are sums over every token that nearly
+# cancel, and bf16 rounding moves them by up to 3x their own norm from one summation order to another.
+BF16_LOSS_FACTOR, BF16_LOSS_FLOOR = 4.0, 1e-4
+BF16_GRAD_FACTOR, BF16_GRAD_FLOOR = 4.0, 1e-2
+BF16_NORM_FLOOR = 1e-3
 SP = 2
 LENGTH = 64                       # tokens per sample; shards of 32 at sp 2
 PACKED_DOCS = [24, 25, 15]        # documents of the packed sample; the second crosses the shard boundary
@@ -430,17 +441,38 @@ def _samples(count: int, length: int, docs: list[int], batch: int) -> dict:
             "packed": [make_sample(200 + k, length, bs=batch, docs=docs) for k in range(count)]}
 
 
-def _prepare(name: str, rec: dict, samples: dict) -> tuple:
+def _low_precision(model, dtype: torch.dtype):
+    """``model`` with its parameters in ``dtype`` and its buffers as they are (RoPE's inv_freq stays fp32),
+    as DeepSpeed's bf16 engine casts the module it wraps."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
+
+
+def _prepare(name: str, rec: dict, samples: dict, dtype: str = "fp32") -> tuple:
     """(model to shard, references per sample kind), all computed before any SP registration: the
-    drop-in call may replace the core attention process-wide. Raises Skip."""
+    drop-in call may replace the core attention process-wide. Raises Skip.
+
+    With ``dtype`` "bf16" each reference also holds, under "bf16", the same unsharded model's loss and
+    gradients with bf16 parameters: how far bf16 alone moves them from the fp32 reference, the noise an
+    SP run in bf16 is judged against."""
     try:
         base = build(name)
         model = copy.deepcopy(base)  # before any forward: some models cache non-leaf tensors deepcopy refuses
+        low = _low_precision(copy.deepcopy(base), torch.bfloat16) if dtype == "bf16" else None
         # on every kind of sample: on one, two training forwards can agree by chance (PhiMoE's did on the packed one)
         rec["train_mode"] = all(_deterministic(base, ss[0]) for ss in samples.values())
         if not rec["train_mode"]:
-            base.eval(), model.eval()
+            for m in (base, model, low):
+                if m is not None:
+                    m.eval()
         refs = {kind: [reference(base, s, own_loss=(kind == "plain")) for s in ss] for kind, ss in samples.items()}
+        if low is not None:
+            for kind, ss in samples.items():
+                for ref, s in zip(refs[kind], ss):
+                    noisy = reference(low, s, own_loss=(kind == "plain"))
+                    ref["bf16"] = {"loss": noisy["loss"],
+                                   "grads": {n: None if g is None else g.float() for n, g in noisy["grads"].items()}}
     except Exception as err:  # noqa: BLE001 -- not a finding about SP
         why = "not tiny" if isinstance(err, NotTiny) else "does not run unsharded"
         raise Skip(f"{why}: {type(err).__name__}: {_first_line(err)}") from err
@@ -455,19 +487,26 @@ def _finite(t: torch.Tensor) -> bool:
 def _step(loss: float, grads: dict, has: dict, ref: dict) -> dict:
     """One SP step vs its reference: loss rel, the worst parameter's gradient rel (norm of difference /
     norm of reference, floored at 1e-5 x the whole reference gradient's norm for gradients that are
-    ~0 in exact arithmetic), parameters no rank gave a gradient, non-finite gradients."""
+    ~0 in exact arithmetic), parameters no rank gave a gradient, non-finite gradients.
+
+    A bf16 reference (``ref["bf16"]``, the unsharded model with bf16 parameters) adds the noise bf16 itself
+    makes: the loss's bound (``loss_tol``) and, per gradient, the SP distance over its bound
+    (``grad_excess``, at most 1 for exact), with the floor at BF16_NORM_FLOOR of the whole model's norm."""
     from tests.support.models import rel_err
 
+    noise = ref.get("bf16")
     ref_norms = [g.double().norm() for g in ref["grads"].values() if g is not None]
-    floor = 1e-5 * torch.stack(ref_norms).norm().item() if ref_norms else 1e-30
-    worst, no_grad, unexpected, nonfinite = (0.0, None), [], [], []
+    total = torch.stack(ref_norms).norm().item() if ref_norms else 1e-25
+    tiny = 1e-5 * total
+    floor = BF16_NORM_FLOOR * total if noise else tiny
+    worst, excess, no_grad, unexpected, nonfinite = (0.0, None), (0.0, None), [], [], []
     for name, r in ref["grads"].items():
         g = grads.get(name)
         if r is None:
             if has.get(name):
                 unexpected.append(name)
             continue
-        if not has.get(name) and r.double().norm().item() > floor:
+        if not has.get(name) and r.double().norm().item() > tiny:
             no_grad.append(name)
         g = torch.zeros_like(r) if g is None else g
         err = rel_err(g, r, floor)
@@ -476,10 +515,22 @@ def _step(loss: float, grads: dict, has: dict, ref: dict) -> dict:
             err = math.inf
         if worst[1] is None or err > worst[0]:
             worst = (err, name)
+        if noise is not None:
+            low = noise["grads"].get(name)
+            low = torch.zeros_like(r) if low is None else low
+            low_err = rel_err(low, r, floor) if _finite(low) else math.inf  # bf16 overflowed: no bound to judge by
+            ratio = err / max(BF16_GRAD_FACTOR * low_err, BF16_GRAD_FLOOR)
+            if excess[1] is None or ratio > excess[0]:
+                excess = (ratio, name)
     ref_bad = not math.isfinite(ref["loss"]) or any(g is not None and not _finite(g) for g in ref["grads"].values())
-    return {"loss_rel": _loss_rel(loss, ref["loss"]), "sp_loss": loss,
-            "ref_loss": ref["loss"], "grad_rel": worst[0], "grad_param": worst[1], "no_grad": no_grad,
-            "unexpected_grad": unexpected, "nonfinite": nonfinite, "ref_nonfinite": ref_bad}
+    out = {"loss_rel": _loss_rel(loss, ref["loss"]), "sp_loss": loss,
+           "ref_loss": ref["loss"], "grad_rel": worst[0], "grad_param": worst[1], "no_grad": no_grad,
+           "unexpected_grad": unexpected, "nonfinite": nonfinite, "ref_nonfinite": ref_bad}
+    if noise is not None:
+        low_loss_rel = _loss_rel(noise["loss"], ref["loss"])
+        out.update(bf16_loss_rel=low_loss_rel, loss_tol=max(BF16_LOSS_FACTOR * low_loss_rel, BF16_LOSS_FLOOR),
+                   grad_excess=excess[0], grad_excess_param=excess[1])
+    return out
 
 
 def _summed_grads(model, ref: dict, group) -> tuple[dict, dict]:
@@ -512,7 +563,8 @@ def _judge(steps: list) -> str:
     steps = [s for s in steps if not s.get("ref_nonfinite")]
     if not steps:
         return "n/a"
-    ok = all(s["loss_rel"] <= LOSS_TOL and s["grad_rel"] <= GRAD_TOL and not s["no_grad"] for s in steps)
+    ok = all(s["loss_rel"] <= s.get("loss_tol", LOSS_TOL) and not s["no_grad"]
+             and (s["grad_excess"] <= 1.0 if "grad_excess" in s else s["grad_rel"] <= GRAD_TOL) for s in steps)
     return "exact" if ok else "wrong"
 
 
@@ -633,7 +685,7 @@ def _engine_data(samples: list, world: int, sp: int, micros: int, keys: tuple) -
 
 
 def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda p: None, steps: int = 1,
-                      gas: int = 1, zero: int = 3) -> dict:
+                      gas: int = 1, zero: int = 3, dtype: str = "fp32") -> dict:
     """``case`` = ``model@section``: ``steps`` steps through ``ds_ulysses.initialize`` under ZeRO stage
     ``zero`` at sp ``sp``, on plain samples and, with an engine of its own, on packed ones, a new sample each
     micro-batch. A step is ``gas`` micro-batches (forward, backward, ``engine.step()``), its gradient
@@ -645,6 +697,10 @@ def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda
     the SP hooks' per-batch state). ``safe_get_full_grad`` gives every rank the full gradient, averaged
     over the data-parallel groups (ZeRO-3's and ZeRO-1/2's partitions gathered, ZeRO-0's all-reduced
     ``.grad``), so no sum over ranks here.
+
+    ``dtype`` "bf16" runs the engine with ``"bf16": {"enabled": true}`` (bf16 parameters and activations, the
+    optimizer's fp32 copy; at ZeRO-0 and ZeRO-1 DeepSpeed reduces through optimizers of their own) and judges
+    it against the fp32 reference with the unsharded bf16 model's distance from it as the noise (``_step``).
     """
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
@@ -653,12 +709,12 @@ def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda
 
     name, section_name = case.split("@")
     rec = {"model": name, "mode": f"engine-{section_name}", "config_note": OVERRIDES.get(name, (None, ""))[1],
-           "zero": zero}
+           "zero": zero, "dtype": dtype}
     world = dist.get_world_size()
     dp = world // sp
     phase("build and reference")
     try:
-        model, refs = _prepare(name, rec, {kind: ss[:dp * steps * gas] for kind, ss in samples.items()})
+        model, refs = _prepare(name, rec, {kind: ss[:dp * steps * gas] for kind, ss in samples.items()}, dtype)
     except Skip as why:
         return {**rec, "status": "skipped", "why": str(why)}
     if zero == 3 and model_type_of(name) in Z3_LEAF:
@@ -673,6 +729,8 @@ def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda
         "zero_optimization": {"stage": zero},
         "ulysses": {"sequence_parallel_size": sp, **ENGINE_SECTIONS[section_name]},
     }
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
     done, current, first_forward = {kind: [] for kind in models}, "setup", True
     for kind, model in models.items():
         # the plain samples leave their position_ids to the adapter, the packed ones bring their documents'
@@ -682,6 +740,7 @@ def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda
             phase(current)
             data = _engine_data(samples[kind], world, sp, steps * gas, keys)
             engine, _, loader, _ = ds_ulysses.initialize(model=model, config=config, training_data=data)
+            rec["param_dtype"] = str(next(engine.module.parameters()).dtype)
             group, micro_batches = engine.mpu.get_data_parallel_rank(), iter(loader)
             for s in range(steps):
                 sample_of = [[(g * steps + s) * gas + a for a in range(gas)] for g in range(dp)]
@@ -692,7 +751,7 @@ def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda
                     phase(current)
                     loss = engine(**next(micro_batches)).loss
                     first_forward = False
-                    losses.append((loss.item(), refs[kind][k]["loss"]))
+                    losses.append((loss.item(), refs[kind][k]))
                     current = f"{at} backward"
                     phase(current)
                     engine.backward(loss)
@@ -702,8 +761,11 @@ def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda
                 current = f"{kind} step {s} compare"
                 grads = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
                 has = {n: g is not None for n, g in grads.items()}
-                sp_loss, ref_loss = max(losses, key=lambda pair: _loss_rel(*pair))
-                ref = {"loss": ref_loss, "grads": _mean_grads([refs[kind][k] for ks in sample_of for k in ks])}
+                sp_loss, worst = max(losses, key=lambda pair: _loss_rel(pair[0], pair[1]["loss"]))
+                mine = [refs[kind][k] for ks in sample_of for k in ks]
+                ref = {"loss": worst["loss"], "grads": _mean_grads(mine)}
+                if dtype == "bf16":
+                    ref["bf16"] = {"loss": worst["bf16"]["loss"], "grads": _mean_grads([r["bf16"] for r in mine])}
                 done[kind].append(_step(sp_loss, {n: g.float() for n, g in grads.items() if g is not None}, has,
                                         ref))
                 current = f"{kind} step {s} optimizer"
@@ -768,12 +830,12 @@ def _merge(case: str, by_rank: dict) -> dict:
 
 def run_cases(cases: list, check: str = "dropin", sp: int = SP, case_timeout: float = 180.0,
               log=None, length: int = LENGTH, docs: list[int] = PACKED_DOCS, batch: int = 1, dp: int = 1,
-              steps: int = 1, gas: int = 1, zero: int = 3) -> dict:
+              steps: int = 1, gas: int = 1, zero: int = 3, dtype: str = "fp32") -> dict:
     """Run ``check`` for every case on ``dp * sp`` spawned gloo ranks (``dp`` SP groups of ``sp`` ranks);
     {case: record}.
 
     Samples have ``batch`` rows of ``length`` tokens, plain and packed from ``docs``: one per rank, and
-    for the engine check ``steps`` x ``gas`` per SP group (``zero``: its ZeRO stage).
+    for the engine check ``steps`` x ``gas`` per SP group (``zero``: its ZeRO stage, ``dtype``: fp32 or bf16).
 
     Cases share a process group; a case that stalls (no rank finishes it within ``case_timeout``) or
     kills a rank is recorded as a crash, the ranks are restarted, and the sweep goes on.
@@ -790,7 +852,7 @@ def run_cases(cases: list, check: str = "dropin", sp: int = SP, case_timeout: fl
         queue, port = ctx.Queue(), free_port()
         procs = [ctx.Process(target=_rank_main, daemon=True,
                              args=(r, world_size, sp, port, check, remaining, queue, length, docs, batch,
-                                   {"steps": steps, "gas": gas, "zero": zero}))
+                                   {"steps": steps, "gas": gas, "zero": zero, "dtype": dtype}))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -911,7 +973,12 @@ def summary(rec: dict) -> str:
             worst = max(steps, key=lambda s: s["grad_rel"])
             no_grad = sorted({n for s in steps for n in s["no_grad"]})
             nonfinite = sorted({n for s in steps for n in s.get("nonfinite", [])})
-            parts.append(f"{kind}: loss {loss:.1e}, grad {worst['grad_rel']:.1e} ({worst['grad_param']})"
+            bf16 = ""
+            if "grad_excess" in worst:  # a bf16 run: the unsharded bf16 model's distances, and how near the bound
+                over = max(steps, key=lambda s: s["grad_excess"])
+                bf16 = (f" [bf16 alone: loss {max(s['bf16_loss_rel'] for s in steps):.1e}; worst gradient "
+                        f"{over['grad_excess']:.2f} of its bound ({over['grad_excess_param']})]")
+            parts.append(f"{kind}: loss {loss:.1e}, grad {worst['grad_rel']:.1e} ({worst['grad_param']}){bf16}"
                          + (f", no grad: {', '.join(no_grad[:4])}" if no_grad else "")
                          + (f", non-finite: {', '.join(nonfinite[:3])}" if nonfinite else "")
                          + (f" ({len(every) - len(steps)} step(s) n/a: the unsharded model's gradients are "
@@ -988,6 +1055,9 @@ def main(argv=None) -> int:
                         "(gradient_accumulation_steps), each on a new sample (default 1)")
     parser.add_argument("--zero", type=int, choices=range(4), default=3, help="the ZeRO stage of the initialize check "
                         "(default 3)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the initialize check's precision: "
+                        "bf16 is judged against the fp32 reference with the unsharded bf16 model's distance from it "
+                        "as the noise; needs --engine-only (default fp32)")
     args = parser.parse_args(argv)
     docs = args.docs
     if args.sp < 2:
@@ -1003,6 +1073,8 @@ def main(argv=None) -> int:
         parser.error(f"--steps {args.steps}: expected at least one step")
     if args.gas < 1:
         parser.error(f"--gas {args.gas}: expected at least one micro-batch per step")
+    if args.dtype == "bf16" and not args.engine_only:
+        parser.error("--dtype bf16: the drop-in check runs in fp32 only; add --engine-only")
     layout = dict(sp=args.sp, dp=args.dp, length=args.length, docs=docs, batch=args.batch)
     _quiet()
     import ds_ulysses  # noqa: F401 -- fail here, once, rather than in every case on every rank
@@ -1026,13 +1098,17 @@ def main(argv=None) -> int:
         cases += [f"{m}@{args.section}" for m in names if f"{m}@{args.section}" not in cases]
     if cases:
         records += run_cases(cases, "engine", case_timeout=args.case_timeout, log=log, steps=args.steps, gas=args.gas,
-                             zero=args.zero, **layout).values()
+                             zero=args.zero, dtype=args.dtype, **layout).values()
     took = time.time() - started
     import transformers
 
+    bar = (f"Exact: loss rel <= {LOSS_TOL:g} and every gradient rel <= {GRAD_TOL:g}." if args.dtype == "fp32" else
+           f"The engine in bf16 against the fp32 reference, exact when its loss rel <= max({BF16_LOSS_FACTOR:g} x the "
+           f"unsharded bf16 model's, {BF16_LOSS_FLOOR:g}) and each gradient rel <= max({BF16_GRAD_FACTOR:g} x the "
+           f"unsharded bf16 model's for that parameter, {BF16_GRAD_FLOOR:g}).")
     header = (f"Transformers {transformers.__version__}, torch {torch.__version__}; {len(names)} model types and "
               f"variants swept, {len(skipped)} model types left out before building; {took:.0f} s on "
-              f"{os.cpu_count()} cores. Exact: loss rel <= {LOSS_TOL:g} and every gradient rel <= {GRAD_TOL:g}. "
+              f"{os.cpu_count()} cores. {bar} "
               f"Samples: {args.batch} x {args.length} tokens plain, and packed documents {docs} per row; "
               f"{args.steps} step(s) of {args.gas} micro-batch(es) per engine, ZeRO-{args.zero}.")
     md = write_reports(records, args.out, header, sp=args.sp, dp=args.dp)

@@ -3,7 +3,8 @@
 One SP step at sp 2 on 2 gloo ranks vs the unsharded model, through the drop-in API and (tiled loss,
 ZeRO-3; a few with tiled MLPs, checkpoint offload or both with the loss in tiles) through
 ``ds_ulysses.initialize``, and Llama in other layouts (sp 4, a padded length, 2 rows; dp 2 x sp 2 for 3
-steps; 2 micro-batches per step, Mixtral among it); the full sweep is ``python -m tests.architectures``.
+steps; 2 micro-batches per step, Mixtral among it; bf16 at ZeRO-1, and Gemma 3 at ZeRO-3); the full sweep is
+``python -m tests.architectures``.
 A model is never allowed to come out ``wrong`` (silently off) or ``crash``; a refusal must name the
 real cause.
 """
@@ -14,8 +15,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.architectures import _outcome, run_cases, summary, write_reports
+from tests.architectures import _outcome, _step, run_cases, summary, write_reports
 
 DROPIN = [
     "llama", "qwen3", "gemma3_text", "cohere", "granite", "gpt_neox", "phi",
@@ -114,6 +116,40 @@ def test_the_engine_check_accumulates_gradients_over_micro_batches(case):
     rec = run_cases([case], "engine", sp=2, steps=2, gas=2, case_timeout=120)[case]
     assert rec["status"] == "exact", summary(rec)
     assert [len(rec["steps"][kind]) for kind in ("plain", "packed")] == [2, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,zero", [("llama@loss-tiles", 1), ("gemma3_text@loss-tiles", 3)])
+def test_the_engine_check_runs_in_bf16(case, zero):
+    """``--dtype bf16``: the engine with bf16 parameters (ZeRO-1 then reduces through DeepSpeed's
+    BF16_Optimizer, a path fp32 never takes), judged against the fp32 reference with the unsharded bf16
+    model's own distance from it as the noise."""
+    rec = run_cases([case], "engine", sp=2, zero=zero, dtype="bf16", case_timeout=120)[case]
+    assert rec["status"] == "exact", summary(rec)
+    assert rec["param_dtype"] == "torch.bfloat16"
+    steps = [s for kind in ("plain", "packed") for s in rec["steps"][kind]]
+    assert len(steps) == 2 and all(0 < s["grad_excess"] <= 1 for s in steps)
+
+
+def _grads(scale: float, seed: int, jitter: float) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    return {"w": scale * base * (1 + jitter * torch.randn(64, generator=gen)),
+            "b": scale * base[:8] * (1 + jitter * torch.randn(8, generator=gen))}
+
+
+def test_the_bf16_judgment_takes_noise_and_refuses_a_factor():
+    """In bf16 a step is exact when its distance from the fp32 reference is within 4x the unsharded bf16
+    model's (plus a floor); a gradient off by a factor (a scale applied twice) or a loss off by a dropped
+    term is wrong, however noisy bf16 is."""
+    ref = {"loss": 2.0, "grads": _grads(1.0, 0, 0.0), "bf16": {"loss": 2.0 * (1 + 3e-3), "grads": _grads(1.0, 1, 1e-2)}}
+    has = {"w": True, "b": True}
+    noisy = _step(2.0 * (1 - 5e-3), _grads(1.0, 2, 2e-2), has, ref)
+    assert _outcome({}, {"plain": [noisy]})["status"] == "exact"
+    assert _outcome({}, {"plain": [_step(2.0, _grads(2.0, 2, 1e-2), has, ref)]})["status"] == "wrong"
+    assert _outcome({}, {"plain": [_step(2.0 * 1.05, _grads(1.0, 2, 1e-2), has, ref)]})["status"] == "wrong"
+    one_param = {**_grads(1.0, 2, 1e-2), "b": 0.5 * _grads(1.0, 2, 1e-2)["b"]}
+    assert _outcome({}, {"plain": [_step(2.0, one_param, has, ref)]})["status"] == "wrong"
 
 
 def test_a_model_with_nothing_to_compare_is_not_counted_exact():
