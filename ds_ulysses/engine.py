@@ -62,6 +62,26 @@ def loss_grad_scale(ds_config: dict, sp: int) -> float:
     return float(sp) if stage == 3 and zero.get("reduce_scatter", True) else 1.0
 
 
+def check_fp16_loss_scaling(ds_config: dict) -> None:
+    """fp16 at ZeRO stage 0 with a loss scale other than 1 is refused: DeepSpeed 0.19's ``engine.backward``
+    scales the loss only for its ZeRO optimizers, while the fp16 optimizer that stage 0 gets divides the
+    gradients by the loss scale in ``step()`` (DeepSpeed PR #8393, open), so every update would be
+    1/loss_scale of the gradient's, with or without SP. A static ``"loss_scale": 1`` divides by 1 and is
+    exact; ZeRO stages 1-3 scale the loss and are exact."""
+    fp16 = ds_config.get("fp16") or {}
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    scale = fp16.get("loss_scale", 0)  # 0: dynamic, starting at 2 ** initial_scale_power
+    if fp16.get("enabled") is not True or stage != 0 or scale == 1:
+        return
+    what = "a dynamic loss scale" if scale == 0 else f"a static loss_scale of {scale}"
+    raise ValueError(
+        f"fp16 with {what} at ZeRO stage 0 would train with every update 1/loss_scale of its gradient: DeepSpeed's "
+        "engine.backward does not scale the loss at stage 0, yet its fp16 optimizer divides the gradients by the "
+        "loss scale in step() (DeepSpeed PR #8393); expected bf16, or fp16 at ZeRO stage 1-3, or fp16 with "
+        "\"loss_scale\": 1; fix: set \"bf16\": {\"enabled\": true} instead of fp16, or "
+        "\"zero_optimization\": {\"stage\": 1} (or 2, 3)")
+
+
 def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: int, grad_scale: float) -> None:
     """Apply the section to ``model``: SP attention, SP loss (tiled or not), tiled MLP, offload.
 
@@ -259,6 +279,7 @@ def initialize(model=None, config=None, mesh_param=None, model_parameters=None, 
             "drop mpu= (or drop the section and wire SP by hand)")
     if model is None:
         raise ValueError("initialize needs model=...: the ulysses section configures the model's attention and loss")
+    check_fp16_loss_scaling(ds_config)
     if mesh_param is not None:
         mesh_param = check_mesh_param(mesh_param)
         section = dataclasses.replace(section, mesh_param=mesh_param, sequence_parallel_size=mesh_param[1])
