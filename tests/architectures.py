@@ -14,8 +14,9 @@ unsharded in one process. Each model comes out as one of
   gradient) -- the worst outcome;
 - ``crash``: any other exception (type, message, innermost ds_ulysses and transformers frames);
 - ``skipped``: could not be built tiny or does not run unsharded (not a finding about SP);
-- ``n/a``: ran, but the unsharded model's own gradients are non-finite on every step, so nothing was
-  compared (a model with some such steps is judged on the others, and the summary counts the left-out).
+- ``n/a``: ran, but the unsharded model's own gradients (in fp32, or in the ``--dtype`` it runs) are
+  non-finite on every step, so nothing was compared (a model with some such steps is judged on the
+  others, and the summary counts the left-out).
 
 ``--engine`` runs the same comparison (steps on plain samples, steps on packed samples, each kind with
 an engine of its own) through ``ds_ulysses.initialize`` under ZeRO-3 for
@@ -31,7 +32,7 @@ every case and, when one stalls or kills a rank, records it and restarts the ran
 
     python -m tests.architectures [--all | --models llama,gpt2] [--engine] [--engine-all] [--out FILE]
                                   [--sp N] [--dp N] [--length TOKENS] [--docs A,B,C] [--batch ROWS] [--steps N]
-                                  [--gas N] [--zero N] [--dtype bf16]
+                                  [--gas N] [--zero N] [--dtype bf16|fp16]
 
 ``--sp``, ``--dp``, ``--length``, ``--docs`` and ``--batch`` pick another layout than the default (one SP
 group of 2 ranks, one row of 64 tokens, documents 24+25+15): e.g. sp 4, where the tiny models' 2 KV heads
@@ -45,8 +46,11 @@ must be the mean of its micro-batches' unsharded gradients (DeepSpeed scales eac
 ``--zero N`` runs the engine check under ZeRO stage N instead of 3 (each stage reduces SP peers'
 gradients on a path of its own; the MoE leaves are ZeRO-3's and only set there). ``--dtype bf16`` runs
 the engine with ``"bf16": {"enabled": true}`` (at ZeRO-0 and ZeRO-1 DeepSpeed then reduces through optimizer
-wrappers fp32 never uses) and judges it against the fp32 reference, the unsharded bf16 model's own distance
-from it being the noise (``_step``): a scale or a dropped term shows far above it, rounding does not.
+wrappers fp32 never uses), ``--dtype fp16`` with ``"fp16"`` and its dynamic loss scale (every backward's
+gradient multiplied by it, so a backward that drops its incoming gradient is off by that factor; at ZeRO-0
+``initialize`` refuses it, as DeepSpeed would never scale the loss there), and
+judges it against the fp32 reference, the unsharded model's own distance from it in that precision being
+the noise (``_step``): a scale or a dropped term shows far above it, rounding does not.
 
 writes ``FILE`` (JSON lines, one record per model) and ``FILE`` with ``.md`` (a table grouped by
 cause). The fast subset for ``make test`` is ``tests/integration/test_architectures.py``.
@@ -69,14 +73,18 @@ import warnings
 import torch
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # design.md's correctness bar (fp32, CPU)
-# bf16 (--dtype bf16): the SP run's distance from the fp32 reference, for the loss and for each gradient,
-# may be this many times the unsharded bf16 model's own distance (its noise), or up to the floor. A
-# gradient's distance is relative to its norm or, for gradients under BF16_NORM_FLOOR of the whole
-# model's, to that floor: DiffLlama's lambdas and xIELU's alphas are sums over every token that nearly
-# cancel, and bf16 rounding moves them by up to 3x their own norm from one summation order to another.
-BF16_LOSS_FACTOR, BF16_LOSS_FLOOR = 4.0, 1e-4
-BF16_GRAD_FACTOR, BF16_GRAD_FLOOR = 4.0, 1e-2
-BF16_NORM_FLOOR = 1e-3
+# bf16 and fp16 (--dtype): the SP run's distance from the fp32 reference, for the loss and for each
+# gradient, may be this many times the unsharded model's own distance in that precision (its noise), or up
+# to the floor. A gradient's distance is relative to its norm or, for gradients under LOW_NORM_FLOOR of the
+# whole model's, to that floor: DiffLlama's lambdas and xIELU's alphas are sums over every token that
+# nearly cancel, and bf16 rounding moves them by up to 3x their own norm from one summation order to another.
+LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+LOW_LOSS_FACTOR, LOW_LOSS_FLOOR = 4.0, 1e-4
+LOW_GRAD_FACTOR, LOW_GRAD_FLOOR = 4.0, 1e-2
+LOW_NORM_FLOOR = 1e-3
+# fp16's initial dynamic loss scale, 2^4: DeepSpeed's default 2^16 (and even 2^8, times sp at ZeRO-3) overflows
+# the tiny random models' embedding gradients; 16 still shows a backward that drops its incoming gradient
+FP16_SCALE_POWER = 4
 SP = 2
 LENGTH = 64                       # tokens per sample; shards of 32 at sp 2
 PACKED_DOCS = [24, 25, 15]        # documents of the packed sample; the second crosses the shard boundary
@@ -397,11 +405,13 @@ class Skip(Exception):
     """The case says nothing about SP: the model does not build tiny or does not run unsharded."""
 
 
-def reference(model, sample: dict, own_loss: bool) -> dict:
+def reference(model, sample: dict, own_loss: bool, loss_scale: float = 1.0) -> dict:
     """Loss and gradients of the unsharded model on one sample.
 
     ``own_loss``: the model's own loss from ``labels`` (logit transforms, router aux losses and all);
     otherwise each packed document is run alone and its token-mean CE taken (what packing means).
+    ``loss_scale``: the backward runs on the loss times it and the gradients come back divided by it, as
+    fp16 training scales them (so an fp16 model overflows here where it would under DeepSpeed).
     """
     import torch.nn.functional as F
 
@@ -417,8 +427,8 @@ def reference(model, sample: dict, own_loss: bool) -> dict:
         extra["own_minus_ce"] = abs(loss.item() - ce.item())  # > 0: the model's loss adds terms beyond CE
     else:
         loss = reference_loss(model, sample)
-    loss.backward()
-    grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters()}
+    (loss * loss_scale).backward()
+    grads = {n: None if p.grad is None else p.grad.detach().float() / loss_scale for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return {"loss": loss.item(), "grads": grads, **extra}
 
@@ -443,23 +453,23 @@ def _samples(count: int, length: int, docs: list[int], batch: int) -> dict:
 
 def _low_precision(model, dtype: torch.dtype):
     """``model`` with its parameters in ``dtype`` and its buffers as they are (RoPE's inv_freq stays fp32),
-    as DeepSpeed's bf16 engine casts the module it wraps."""
+    as DeepSpeed's bf16 and fp16 engines cast the module they wrap."""
     for p in model.parameters():
         p.data = p.data.to(dtype)
     return model
 
 
-def _prepare(name: str, rec: dict, samples: dict, dtype: str = "fp32") -> tuple:
+def _prepare(name: str, rec: dict, samples: dict, dtype: str = "fp32", loss_scale: float = 1.0) -> tuple:
     """(model to shard, references per sample kind), all computed before any SP registration: the
     drop-in call may replace the core attention process-wide. Raises Skip.
 
-    With ``dtype`` "bf16" each reference also holds, under "bf16", the same unsharded model's loss and
-    gradients with bf16 parameters: how far bf16 alone moves them from the fp32 reference, the noise an
-    SP run in bf16 is judged against."""
+    With ``dtype`` "bf16" or "fp16" each reference also holds, under "low", the same unsharded model's loss
+    and gradients with parameters in that precision: how far it alone moves them from the fp32 reference,
+    the noise an SP run in it is judged against, its backward scaled by ``loss_scale`` (fp16's)."""
     try:
         base = build(name)
         model = copy.deepcopy(base)  # before any forward: some models cache non-leaf tensors deepcopy refuses
-        low = _low_precision(copy.deepcopy(base), torch.bfloat16) if dtype == "bf16" else None
+        low = _low_precision(copy.deepcopy(base), LOW_DTYPES[dtype]) if dtype in LOW_DTYPES else None
         # on every kind of sample: on one, two training forwards can agree by chance (PhiMoE's did on the packed one)
         rec["train_mode"] = all(_deterministic(base, ss[0]) for ss in samples.values())
         if not rec["train_mode"]:
@@ -470,9 +480,8 @@ def _prepare(name: str, rec: dict, samples: dict, dtype: str = "fp32") -> tuple:
         if low is not None:
             for kind, ss in samples.items():
                 for ref, s in zip(refs[kind], ss):
-                    noisy = reference(low, s, own_loss=(kind == "plain"))
-                    ref["bf16"] = {"loss": noisy["loss"],
-                                   "grads": {n: None if g is None else g.float() for n, g in noisy["grads"].items()}}
+                    noisy = reference(low, s, own_loss=(kind == "plain"), loss_scale=loss_scale)
+                    ref["low"] = {"loss": noisy["loss"], "grads": noisy["grads"]}
     except Exception as err:  # noqa: BLE001 -- not a finding about SP
         why = "not tiny" if isinstance(err, NotTiny) else "does not run unsharded"
         raise Skip(f"{why}: {type(err).__name__}: {_first_line(err)}") from err
@@ -489,16 +498,18 @@ def _step(loss: float, grads: dict, has: dict, ref: dict) -> dict:
     norm of reference, floored at 1e-5 x the whole reference gradient's norm for gradients that are
     ~0 in exact arithmetic), parameters no rank gave a gradient, non-finite gradients.
 
-    A bf16 reference (``ref["bf16"]``, the unsharded model with bf16 parameters) adds the noise bf16 itself
-    makes: the loss's bound (``loss_tol``) and, per gradient, the SP distance over its bound
-    (``grad_excess``, at most 1 for exact), with the floor at BF16_NORM_FLOOR of the whole model's norm."""
+    A low-precision reference (``ref["low"]``, the unsharded model with bf16 or fp16 parameters) adds the
+    noise that precision itself makes: the loss's bound (``loss_tol``) and, per gradient, the SP distance
+    over its bound (``grad_excess``, at most 1 for exact), with the floor at LOW_NORM_FLOOR of the whole
+    model's norm. A step whose low-precision reference is not finite (Gemma 3 in fp16 overflows unsharded)
+    is left out like one whose fp32 reference is not."""
     from tests.support.models import rel_err
 
-    noise = ref.get("bf16")
+    noise = ref.get("low")
     ref_norms = [g.double().norm() for g in ref["grads"].values() if g is not None]
     total = torch.stack(ref_norms).norm().item() if ref_norms else 1e-25
     tiny = 1e-5 * total
-    floor = BF16_NORM_FLOOR * total if noise else tiny
+    floor = LOW_NORM_FLOOR * total if noise else tiny
     worst, excess, no_grad, unexpected, nonfinite = (0.0, None), (0.0, None), [], [], []
     for name, r in ref["grads"].items():
         g = grads.get(name)
@@ -517,18 +528,20 @@ def _step(loss: float, grads: dict, has: dict, ref: dict) -> dict:
             worst = (err, name)
         if noise is not None:
             low = noise["grads"].get(name)
-            low = torch.zeros_like(r) if low is None else low
-            low_err = rel_err(low, r, floor) if _finite(low) else math.inf  # bf16 overflowed: no bound to judge by
-            ratio = err / max(BF16_GRAD_FACTOR * low_err, BF16_GRAD_FLOOR)
+            ratio = err / max(LOW_GRAD_FACTOR * rel_err(torch.zeros_like(r) if low is None else low, r, floor),
+                              LOW_GRAD_FLOOR)
             if excess[1] is None or ratio > excess[0]:
                 excess = (ratio, name)
-    ref_bad = not math.isfinite(ref["loss"]) or any(g is not None and not _finite(g) for g in ref["grads"].values())
+    # nothing to compare with: the reference, or (bf16/fp16) the unsharded model in that precision, overflowed
+    refs = [ref] + ([noise] if noise is not None else [])
+    ref_bad = any(not math.isfinite(r["loss"]) or any(g is not None and not _finite(g) for g in r["grads"].values())
+                  for r in refs)
     out = {"loss_rel": _loss_rel(loss, ref["loss"]), "sp_loss": loss,
            "ref_loss": ref["loss"], "grad_rel": worst[0], "grad_param": worst[1], "no_grad": no_grad,
            "unexpected_grad": unexpected, "nonfinite": nonfinite, "ref_nonfinite": ref_bad}
     if noise is not None:
         low_loss_rel = _loss_rel(noise["loss"], ref["loss"])
-        out.update(bf16_loss_rel=low_loss_rel, loss_tol=max(BF16_LOSS_FACTOR * low_loss_rel, BF16_LOSS_FLOOR),
+        out.update(low_loss_rel=low_loss_rel, loss_tol=max(LOW_LOSS_FACTOR * low_loss_rel, LOW_LOSS_FLOOR),
                    grad_excess=excess[0], grad_excess_param=excess[1])
     return out
 
@@ -698,23 +711,37 @@ def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda
     over the data-parallel groups (ZeRO-3's and ZeRO-1/2's partitions gathered, ZeRO-0's all-reduced
     ``.grad``), so no sum over ranks here.
 
-    ``dtype`` "bf16" runs the engine with ``"bf16": {"enabled": true}`` (bf16 parameters and activations, the
-    optimizer's fp32 copy; at ZeRO-0 and ZeRO-1 DeepSpeed reduces through optimizers of their own) and judges
-    it against the fp32 reference with the unsharded bf16 model's distance from it as the noise (``_step``).
+    ``dtype`` "bf16" (or "fp16") runs the engine with ``"bf16": {"enabled": true}`` (bf16 parameters and
+    activations, the optimizer's fp32 copy; at ZeRO-0 and ZeRO-1 DeepSpeed reduces through optimizers of their
+    own; fp16 adds the dynamic loss scale, divided out of the gradients compared) and judges it against the
+    fp32 reference with the unsharded model's distance from it in that precision as the noise (``_step``).
     """
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
 
     import ds_ulysses
+    from ds_ulysses.engine import loss_grad_scale
 
     name, section_name = case.split("@")
     rec = {"model": name, "mode": f"engine-{section_name}", "config_note": OVERRIDES.get(name, (None, ""))[1],
            "zero": zero, "dtype": dtype}
     world = dist.get_world_size()
     dp = world // sp
+    config = {
+        "train_micro_batch_size_per_gpu": samples["plain"][0]["input_ids"].shape[0], "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}},
+        "zero_optimization": {"stage": zero},
+        "ulysses": {"sequence_parallel_size": sp, **ENGINE_SECTIONS[section_name]},
+    }
+    if dtype in LOW_DTYPES:
+        config[dtype] = {"enabled": True, **({"initial_scale_power": FP16_SCALE_POWER} if dtype == "fp16" else {})}
+    # fp16: each rank's backward runs on the loss / gas x the loss scale x the SP loss's own factor (sp where
+    # ZeRO-3 averages over the SP ranks too): the reference's fp16 backward gets the same, so both overflow alike
+    loss_scale = 2.0 ** FP16_SCALE_POWER * loss_grad_scale(config, sp) / gas if dtype == "fp16" else 1.0
     phase("build and reference")
     try:
-        model, refs = _prepare(name, rec, {kind: ss[:dp * steps * gas] for kind, ss in samples.items()}, dtype)
+        model, refs = _prepare(name, rec, {kind: ss[:dp * steps * gas] for kind, ss in samples.items()}, dtype,
+                               loss_scale)
     except Skip as why:
         return {**rec, "status": "skipped", "why": str(why)}
     if zero == 3 and model_type_of(name) in Z3_LEAF:
@@ -723,14 +750,6 @@ def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda
         rec["z3_leaf"] = Z3_LEAF[model_type_of(name)]
         set_z3_leaf_modules(model, [rec["z3_leaf"]])
     models = {"plain": model, "packed": copy.deepcopy(model)}  # ZeRO partitions or flattens the model it wraps
-    config = {
-        "train_micro_batch_size_per_gpu": samples["plain"][0]["input_ids"].shape[0], "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}},
-        "zero_optimization": {"stage": zero},
-        "ulysses": {"sequence_parallel_size": sp, **ENGINE_SECTIONS[section_name]},
-    }
-    if dtype == "bf16":
-        config["bf16"] = {"enabled": True}
     done, current, first_forward = {kind: [] for kind in models}, "setup", True
     for kind, model in models.items():
         # the plain samples leave their position_ids to the adapter, the packed ones bring their documents'
@@ -764,10 +783,11 @@ def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda
                 sp_loss, worst = max(losses, key=lambda pair: _loss_rel(pair[0], pair[1]["loss"]))
                 mine = [refs[kind][k] for ks in sample_of for k in ks]
                 ref = {"loss": worst["loss"], "grads": _mean_grads(mine)}
-                if dtype == "bf16":
-                    ref["bf16"] = {"loss": worst["bf16"]["loss"], "grads": _mean_grads([r["bf16"] for r in mine])}
-                done[kind].append(_step(sp_loss, {n: g.float() for n, g in grads.items() if g is not None}, has,
-                                        ref))
+                if dtype in LOW_DTYPES:
+                    ref["low"] = {"loss": worst["low"]["loss"], "grads": _mean_grads([r["low"] for r in mine])}
+                scale = engine.optimizer.loss_scale if dtype == "fp16" else 1.0  # fp16: the step unscales them
+                done[kind].append(_step(sp_loss, {n: g.float() / scale for n, g in grads.items() if g is not None},
+                                        has, ref))
                 current = f"{kind} step {s} optimizer"
                 engine.step()
         except Exception as err:  # noqa: BLE001 -- classified, not hidden
@@ -835,7 +855,8 @@ def run_cases(cases: list, check: str = "dropin", sp: int = SP, case_timeout: fl
     {case: record}.
 
     Samples have ``batch`` rows of ``length`` tokens, plain and packed from ``docs``: one per rank, and
-    for the engine check ``steps`` x ``gas`` per SP group (``zero``: its ZeRO stage, ``dtype``: fp32 or bf16).
+    for the engine check ``steps`` x ``gas`` per SP group (``zero``: its ZeRO stage, ``dtype``: fp32, bf16 or
+    fp16).
 
     Cases share a process group; a case that stalls (no rank finishes it within ``case_timeout``) or
     kills a rank is recorded as a crash, the ranks are restarted, and the sweep goes on.
@@ -973,12 +994,12 @@ def summary(rec: dict) -> str:
             worst = max(steps, key=lambda s: s["grad_rel"])
             no_grad = sorted({n for s in steps for n in s["no_grad"]})
             nonfinite = sorted({n for s in steps for n in s.get("nonfinite", [])})
-            bf16 = ""
-            if "grad_excess" in worst:  # a bf16 run: the unsharded bf16 model's distances, and how near the bound
+            low = ""
+            if "grad_excess" in worst:  # bf16/fp16: the unsharded model's own distances, and how near the bound
                 over = max(steps, key=lambda s: s["grad_excess"])
-                bf16 = (f" [bf16 alone: loss {max(s['bf16_loss_rel'] for s in steps):.1e}; worst gradient "
-                        f"{over['grad_excess']:.2f} of its bound ({over['grad_excess_param']})]")
-            parts.append(f"{kind}: loss {loss:.1e}, grad {worst['grad_rel']:.1e} ({worst['grad_param']}){bf16}"
+                low = (f" [{rec.get('dtype')} alone: loss {max(s['low_loss_rel'] for s in steps):.1e}; worst gradient "
+                       f"{over['grad_excess']:.2f} of its bound ({over['grad_excess_param']})]")
+            parts.append(f"{kind}: loss {loss:.1e}, grad {worst['grad_rel']:.1e} ({worst['grad_param']}){low}"
                          + (f", no grad: {', '.join(no_grad[:4])}" if no_grad else "")
                          + (f", non-finite: {', '.join(nonfinite[:3])}" if nonfinite else "")
                          + (f" ({len(every) - len(steps)} step(s) n/a: the unsharded model's gradients are "
@@ -1055,9 +1076,9 @@ def main(argv=None) -> int:
                         "(gradient_accumulation_steps), each on a new sample (default 1)")
     parser.add_argument("--zero", type=int, choices=range(4), default=3, help="the ZeRO stage of the initialize check "
                         "(default 3)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the initialize check's precision: "
-                        "bf16 is judged against the fp32 reference with the unsharded bf16 model's distance from it "
-                        "as the noise; needs --engine-only (default fp32)")
+    parser.add_argument("--dtype", choices=("fp32", *LOW_DTYPES), default="fp32", help="the initialize check's "
+                        "precision: bf16 and fp16 are judged against the fp32 reference with the unsharded model's "
+                        "distance from it in that precision as the noise; needs --engine-only (default fp32)")
     args = parser.parse_args(argv)
     docs = args.docs
     if args.sp < 2:
@@ -1073,11 +1094,18 @@ def main(argv=None) -> int:
         parser.error(f"--steps {args.steps}: expected at least one step")
     if args.gas < 1:
         parser.error(f"--gas {args.gas}: expected at least one micro-batch per step")
-    if args.dtype == "bf16" and not args.engine_only:
-        parser.error("--dtype bf16: the drop-in check runs in fp32 only; add --engine-only")
+    if args.dtype != "fp32" and not args.engine_only:
+        parser.error(f"--dtype {args.dtype}: the drop-in check runs in fp32 only; add --engine-only")
     layout = dict(sp=args.sp, dp=args.dp, length=args.length, docs=docs, batch=args.batch)
     _quiet()
     import ds_ulysses  # noqa: F401 -- fail here, once, rather than in every case on every rank
+
+    if args.dtype == "fp16":
+        from deepspeed.accelerator import get_accelerator
+
+        if not get_accelerator().is_fp16_supported():
+            parser.error(f"--dtype fp16: DeepSpeed has no fp16 on this {get_accelerator().device_name()} device "
+                         "(a CPU needs AVX512-FP16 or AMX), so it would refuse every case; use --dtype bf16")
 
     names, skipped = candidates()
     if args.models:
@@ -1103,9 +1131,10 @@ def main(argv=None) -> int:
     import transformers
 
     bar = (f"Exact: loss rel <= {LOSS_TOL:g} and every gradient rel <= {GRAD_TOL:g}." if args.dtype == "fp32" else
-           f"The engine in bf16 against the fp32 reference, exact when its loss rel <= max({BF16_LOSS_FACTOR:g} x the "
-           f"unsharded bf16 model's, {BF16_LOSS_FLOOR:g}) and each gradient rel <= max({BF16_GRAD_FACTOR:g} x the "
-           f"unsharded bf16 model's for that parameter, {BF16_GRAD_FLOOR:g}).")
+           f"The engine in {args.dtype} against the fp32 reference, exact when its loss rel <= max({LOW_LOSS_FACTOR:g} x "
+           f"the unsharded {args.dtype} model's, {LOW_LOSS_FLOOR:g}) and each gradient rel <= max({LOW_GRAD_FACTOR:g} x "
+           f"the unsharded {args.dtype} model's for that parameter, {LOW_GRAD_FLOOR:g}; below {LOW_NORM_FLOOR:g} of "
+           "the model's gradient norm, relative to that).")
     header = (f"Transformers {transformers.__version__}, torch {torch.__version__}; {len(names)} model types and "
               f"variants swept, {len(skipped)} model types left out before building; {took:.0f} s on "
               f"{os.cpu_count()} cores. {bar} "

@@ -3,7 +3,8 @@
 One SP step at sp 2 on 2 gloo ranks vs the unsharded model, through the drop-in API and (tiled loss,
 ZeRO-3; a few with tiled MLPs, checkpoint offload or both with the loss in tiles) through
 ``ds_ulysses.initialize``, and Llama in other layouts (sp 4, a padded length, 2 rows; dp 2 x sp 2 for 3
-steps; 2 micro-batches per step, Mixtral among it; bf16 at ZeRO-1, and Gemma 3 at ZeRO-3); the full sweep is
+steps; 2 micro-batches per step, Mixtral among it; bf16 at ZeRO-1 and fp16 at ZeRO-2, and Gemma 3 in bf16
+at ZeRO-3); the full sweep is
 ``python -m tests.architectures``.
 A model is never allowed to come out ``wrong`` (silently off) or ``crash``; a refusal must name the
 real cause.
@@ -12,6 +13,7 @@ real cause.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -119,14 +121,20 @@ def test_the_engine_check_accumulates_gradients_over_micro_batches(case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case,zero", [("llama@loss-tiles", 1), ("gemma3_text@loss-tiles", 3)])
-def test_the_engine_check_runs_in_bf16(case, zero):
-    """``--dtype bf16``: the engine with bf16 parameters (ZeRO-1 then reduces through DeepSpeed's
-    BF16_Optimizer, a path fp32 never takes), judged against the fp32 reference with the unsharded bf16
-    model's own distance from it as the noise."""
-    rec = run_cases([case], "engine", sp=2, zero=zero, dtype="bf16", case_timeout=120)[case]
+@pytest.mark.parametrize("case,zero,dtype", [("llama@loss-tiles", 1, "bf16"), ("gemma3_text@loss-tiles", 3, "bf16"),
+                                            ("llama@loss-tiles", 2, "fp16")])
+def test_the_engine_check_runs_in_low_precision(case, zero, dtype):
+    """``--dtype bf16|fp16``: the engine with bf16 parameters (ZeRO-1 then reduces through DeepSpeed's
+    BF16_Optimizer, a path fp32 never takes) or fp16 ones under a dynamic loss scale (every backward's incoming
+    gradient 16, not 1: a tiled loss that dropped it is off by that factor), judged against the fp32
+    reference with the unsharded model's own distance from it in that precision as the noise."""
+    from deepspeed.accelerator import get_accelerator
+
+    if dtype == "fp16" and not get_accelerator().is_fp16_supported():
+        pytest.skip("DeepSpeed has no fp16 on this CPU (no AVX512-FP16/AMX): it refuses the config")
+    rec = run_cases([case], "engine", sp=2, zero=zero, dtype=dtype, case_timeout=120)[case]
     assert rec["status"] == "exact", summary(rec)
-    assert rec["param_dtype"] == "torch.bfloat16"
+    assert rec["param_dtype"] == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[dtype]
     steps = [s for kind in ("plain", "packed") for s in rec["steps"][kind]]
     assert len(steps) == 2 and all(0 < s["grad_excess"] <= 1 for s in steps)
 
@@ -138,11 +146,12 @@ def _grads(scale: float, seed: int, jitter: float) -> dict:
             "b": scale * base[:8] * (1 + jitter * torch.randn(8, generator=gen))}
 
 
-def test_the_bf16_judgment_takes_noise_and_refuses_a_factor():
-    """In bf16 a step is exact when its distance from the fp32 reference is within 4x the unsharded bf16
+def test_the_low_precision_judgment_takes_noise_and_refuses_a_factor():
+    """In bf16 or fp16 a step is exact when its distance from the fp32 reference is within 4x the unsharded
     model's (plus a floor); a gradient off by a factor (a scale applied twice) or a loss off by a dropped
-    term is wrong, however noisy bf16 is."""
-    ref = {"loss": 2.0, "grads": _grads(1.0, 0, 0.0), "bf16": {"loss": 2.0 * (1 + 3e-3), "grads": _grads(1.0, 1, 1e-2)}}
+    term is wrong, however noisy that precision is; a step whose low-precision reference overflowed is left
+    out (Gemma 3 in fp16)."""
+    ref = {"loss": 2.0, "grads": _grads(1.0, 0, 0.0), "low": {"loss": 2.0 * (1 + 3e-3), "grads": _grads(1.0, 1, 1e-2)}}
     has = {"w": True, "b": True}
     noisy = _step(2.0 * (1 - 5e-3), _grads(1.0, 2, 2e-2), has, ref)
     assert _outcome({}, {"plain": [noisy]})["status"] == "exact"
@@ -150,6 +159,10 @@ def test_the_bf16_judgment_takes_noise_and_refuses_a_factor():
     assert _outcome({}, {"plain": [_step(2.0 * 1.05, _grads(1.0, 2, 1e-2), has, ref)]})["status"] == "wrong"
     one_param = {**_grads(1.0, 2, 1e-2), "b": 0.5 * _grads(1.0, 2, 1e-2)["b"]}
     assert _outcome({}, {"plain": [_step(2.0, one_param, has, ref)]})["status"] == "wrong"
+    overflowed = {**ref, "low": {**ref["low"], "grads": {**ref["low"]["grads"], "b": torch.full((8,), math.inf)}}}
+    skipped = _step(2.0, _grads(1.0, 2, 2e-2), has, overflowed)
+    assert skipped["ref_nonfinite"] and _outcome({}, {"plain": [skipped, noisy]})["status"] == "exact"
+    assert _outcome({}, {"plain": [skipped]})["status"] == "n/a"
 
 
 def test_a_model_with_nothing_to_compare_is_not_counted_exact():
