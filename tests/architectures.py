@@ -480,8 +480,7 @@ def _prepare(name: str, rec: dict, samples: dict, dtype: str = "fp32", loss_scal
         if low is not None:
             for kind, ss in samples.items():
                 for ref, s in zip(refs[kind], ss):
-                    noisy = reference(low, s, own_loss=(kind == "plain"), loss_scale=loss_scale)
-                    ref["low"] = {"loss": noisy["loss"], "grads": noisy["grads"]}
+                    ref["low"] = reference(low, s, own_loss=(kind == "plain"), loss_scale=loss_scale)
     except Exception as err:  # noqa: BLE001 -- not a finding about SP
         why = "not tiny" if isinstance(err, NotTiny) else "does not run unsharded"
         raise Skip(f"{why}: {type(err).__name__}: {_first_line(err)}") from err

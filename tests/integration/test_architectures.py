@@ -4,8 +4,7 @@ One SP step at sp 2 on 2 gloo ranks vs the unsharded model, through the drop-in 
 ZeRO-3; a few with tiled MLPs, checkpoint offload or both with the loss in tiles) through
 ``ds_ulysses.initialize``, and Llama in other layouts (sp 4, a padded length, 2 rows; dp 2 x sp 2 for 3
 steps; 2 micro-batches per step, Mixtral among it; bf16 at ZeRO-1 and fp16 at ZeRO-2, and Gemma 3 in bf16
-at ZeRO-3); the full sweep is
-``python -m tests.architectures``.
+at ZeRO-3); the full sweep is ``python -m tests.architectures``.
 A model is never allowed to come out ``wrong`` (silently off) or ``crash``; a refusal must name the
 real cause.
 """
