@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.architectures import _outcome, _step, run_cases, summary, write_reports
+from tests.support.engine_cases import require_fp16
 
 DROPIN = [
     "llama", "qwen3", "gemma3_text", "cohere", "granite", "gpt_neox", "phi",
@@ -127,10 +128,8 @@ def test_the_engine_check_runs_in_low_precision(case, zero, dtype):
     BF16_Optimizer, a path fp32 never takes) or fp16 ones under a dynamic loss scale (every backward's incoming
     gradient 16, not 1: a tiled loss that dropped it is off by that factor), judged against the fp32
     reference with the unsharded model's own distance from it in that precision as the noise."""
-    from deepspeed.accelerator import get_accelerator
-
-    if dtype == "fp16" and not get_accelerator().is_fp16_supported():
-        pytest.skip("DeepSpeed has no fp16 on this CPU (no AVX512-FP16/AMX): it refuses the config")
+    if dtype == "fp16":
+        require_fp16()
     rec = run_cases([case], "engine", sp=2, zero=zero, dtype=dtype, case_timeout=120)[case]
     assert rec["status"] == "exact", summary(rec)
     assert rec["param_dtype"] == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[dtype]

@@ -13,7 +13,7 @@ from ds_ulysses.engine import _sp_loader, loss_grad_scale
 from ds_ulysses.distributed.mesh import Mesh
 
 from tests.support.distributed import run_distributed
-from tests.support.engine_cases import ds_config, engine_vs_reference, not_sp_inputs, trims_per_step
+from tests.support.engine_cases import ds_config, engine_vs_reference, not_sp_inputs, require_fp16, trims_per_step
 
 pytestmark = pytest.mark.slow
 
@@ -238,5 +238,6 @@ def test_deepspeed_s_fp16_at_zero_stage_0_divides_an_unscaled_gradient(stage, fp
     """The premise of check_fp16_loss_scaling, measured on plain DeepSpeed: at ZeRO-0 the update is
     1/loss_scale of the gradient (DeepSpeed PR #8393), exact with a static scale of 1 and at ZeRO-1. When an
     upgrade of DeepSpeed fixes it, this fails: lift the refusal then."""
+    require_fp16()
     [measured] = run_distributed(_fp16_update_over_grad, 1, stage, fp16)
     assert measured == pytest.approx(ratio, rel=0.05)  # fp16 rounding; the finding is a factor of 128-256
