@@ -9,7 +9,9 @@ here is a module global.
 DeepSpeed takes its batch arithmetic from ``get_data_parallel_world_size`` (dp), its ZeRO
 partitioning and gradient reduction from the data-parallel and sequence-data-parallel groups (every
 rank of the mesh, since SP peers hold one replica), and its SP-aware averaging from the
-sequence-parallel getters.
+sequence-parallel getters. There is no model (tensor or pipeline) parallelism: its group is this rank
+alone, as Megatron's is at tensor-parallel size 1, because DeepSpeed sums gradient norms over it and
+reads ``None`` as the whole world.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class Mesh:
         self.dp, self.sp, self.world_size = dp, sp, world
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.dp_rank, self.sp_rank = divmod(self.rank, sp)
-        self.sp_group = self.dp_group = None
+        self.sp_group = self.dp_group = self.own_group = None
         self.sp_ranks = [self.rank]
         self.dp_ranks = [self.rank]
         self.timeout_seconds = timeout_seconds
@@ -103,6 +105,10 @@ class Mesh:
             group = dist.new_group(col, timeout=timeout)
             if self.rank in col:
                 self.dp_group, self.dp_ranks = group, col
+        for rank in range(world):
+            group = dist.new_group([rank], timeout=timeout)
+            if rank == self.rank:
+                self.own_group = group
 
     def __repr__(self) -> str:
         return f"Mesh(dp={self.dp}, sp={self.sp}, rank={self.rank}, sp_rank={self.sp_rank})"
@@ -146,7 +152,10 @@ class Mesh:
         return 0
 
     def get_model_parallel_group(self):
-        return None
+        # DeepSpeed's clip_grad_norm_ and get_global_norm_of_tensors (ZeRO stage 0, its bf16 and fp16
+        # optimizers) all-reduce the squared gradient norm over this group: None would sum it over the
+        # world, every rank holding the whole gradient, and clip with sqrt(world) x the norm
+        return self.own_group
 
     def get_tensor_model_parallel_world_size(self) -> int:
         return 1
@@ -155,7 +164,7 @@ class Mesh:
         return 0
 
     def get_tensor_model_parallel_group(self):
-        return None
+        return self.own_group
 
     def get_pipeline_model_parallel_world_size(self) -> int:
         return 1
@@ -164,7 +173,7 @@ class Mesh:
         return 0
 
     def get_pipeline_model_parallel_group(self):
-        return None
+        return self.own_group
 
 
 def build_mesh(sequence_parallel_size: int | None = None, mesh_param=None,

@@ -197,6 +197,70 @@ def test_deepspeed_s_sp_training_scenario_gives_deepspeed_s_numbers_and_ours_is_
         assert rel_err(ds["grad_b"], factor * ds["grad_a"]) <= 1e-4
 
 
+def _clipped_step(rank, world_size, stage, implementation):
+    """DeepSpeed's tutorial setup (register_with_transformers' mpu, the adapter, its loss recipe) with
+    gradient clipping and plain SGD: the step's update over the engine's own full gradient, against
+    torch's clip coefficient min(1, clip / norm), and the norm the engine reports."""
+    import deepspeed
+    from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_grad
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    module = _both()[implementation]
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    clip = 0.1
+    cfg = tiny_config("llama", heads=4, kv_heads=2, head_dim=4)
+    mpu = module.UlyssesSPAttentionHF.register_with_transformers(cfg_holder(cfg), "sdpa", world_size, 1)
+    model = tiny_model(cfg)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "SGD", "params": {"lr": 1.0}}, "zero_allow_untested_optimizer": True,
+              "gradient_clipping": clip, "sequence_parallel_size": world_size}
+    engine, *_ = deepspeed.initialize(config=config, model=model, model_parameters=model.parameters(), mpu=mpu)
+    group, sp_rank = groups._get_sequence_parallel_group(), groups._get_sequence_parallel_rank()
+    adapter = module.UlyssesSPDataLoaderAdapter(_sample_loader(), sp_rank=sp_rank, sp_group=group,
+                                                sp_world_size=world_size, device=engine.device)
+    batch = next(iter(adapter))
+    batch.pop("source")
+    shift_labels = batch.pop("shift_labels")
+    logits = engine(**batch).logits
+    engine.backward(engine.module.loss_function(logits=logits, labels=None, shift_labels=shift_labels,
+                                                vocab_size=cfg.vocab_size))
+
+    def full_param(p):  # ZeRO-0 keeps no separate fp32 copy
+        full = safe_get_full_fp32_param(p)
+        return (p.detach() if full is None else full).clone()
+
+    grad = torch.cat([safe_get_full_grad(p).flatten() for p in engine.module.parameters()])
+    before = [full_param(p) for p in engine.module.parameters()]
+    engine.step()
+    update = torch.cat([(b - full_param(p)).flatten() for p, b in zip(engine.module.parameters(), before)])
+    if implementation == "ours":
+        ds_ulysses.uninstall()
+    else:  # DeepSpeed's registration has no undo: put Transformers' sdpa back for the next case
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+    reported = engine.get_global_grad_norm()  # None where DeepSpeed keeps no norm (fp32 at ZeRO-0)
+    return {"grad_norm": grad.norm().item(), "reported": None if reported is None else float(reported),
+            "clip_error": rel_err(update, min(1.0, clip / (grad.norm().item() + 1e-6)) * grad)}
+
+
+def _clipped_steps(rank, world_size, stage):
+    return {impl: _clipped_step(rank, world_size, stage, impl) for impl in ("deepspeed", "ours")}
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_gradient_clipping_clips_by_the_gradient_s_norm_as_deepspeed_s_does(stage):
+    """At ZeRO-0 DeepSpeed sums the squared norm over the mpu's model-parallel group: ours (no model
+    parallelism) must be this rank alone, not the world, or the clip is sqrt(world) x too strong."""
+    for res in run_distributed(_clipped_steps, 2, stage, timeout=600):
+        ds, ours = res["deepspeed"], res["ours"]
+        assert ds["grad_norm"] > 2 * 0.1, res  # the clip is active
+        assert rel_err(torch.tensor(ours["grad_norm"]), torch.tensor(ds["grad_norm"])) <= 1e-6, res
+        assert ds["clip_error"] <= 1e-5 and ours["clip_error"] <= 1e-5, res
+        assert (ours["reported"] is None) == (ds["reported"] is None), res
+        if ds["reported"] is not None:
+            assert rel_err(torch.tensor(ours["reported"]), torch.tensor(ds["reported"])) <= 1e-6, res
+
+
 def _mpus(rank, world_size):
     out = {}
     for name, module in _both().items():

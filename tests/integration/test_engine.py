@@ -43,6 +43,29 @@ def test_every_zero_stage_gives_non_sp_gradients(stage, zero):
     _check(run_distributed(engine_vs_reference, 2, ds_config(stage, **zero), timeout=600), 1, 2)
 
 
+@pytest.mark.parametrize("world,stage,dtype", [(4, 0, "fp32"), (2, 0, "bf16"), (2, 1, "fp32"), (2, 3, "fp32")])
+def test_gradient_clipping_clips_by_the_unsharded_gradient_norm(world, stage, dtype):
+    """The clipped SGD update is the unsharded gradient's, clipped by torch. At ZeRO-0 DeepSpeed sums the
+    squared norm over the mpu's model-parallel group (fp32: clip_grad_norm_; bf16: BF16_Optimizer): a
+    world-wide sum there clipped with sqrt(world) x the norm. Adam's first step would hide any clip
+    factor, so the step is plain SGD."""
+    cfg = ds_config(stage)
+    cfg.update(optimizer={"type": "SGD", "params": {"lr": 1.0}}, gradient_clipping=0.1,
+               zero_allow_untested_optimizer=True)
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    results = run_distributed(engine_vs_reference, world, cfg, timeout=600)
+    if dtype == "fp32":
+        _check(results, world // 2, 2)
+    for res in results:
+        assert res["ref_norm"] > 2 * cfg["gradient_clipping"], res  # the clip is active
+        if dtype == "fp32":
+            assert res["update"] <= 1e-5, res
+            assert res["norm"] is None or res["norm"] <= 1e-5, res
+        else:  # bf16 rounds the gradient: its norm is within 1e-2, a clip factor of sqrt(2) is not
+            assert res["norm"] <= 2e-2, res
+
+
 @pytest.mark.parametrize("switch,trims", [(None, 2), (True, 2), (False, 0)])
 def test_host_heap_is_given_back_after_each_step_unless_switched_off(switch, trims):
     cfg = ds_config(3, offload=True, extra_section={} if switch is None else {"trim_host_heap": switch})

@@ -45,9 +45,11 @@ def dataset(n: int, length: int) -> list[dict]:
 def engine_vs_reference(rank: int, world_size: int, config: dict, via_install: bool = False,
                         family: str = "llama", length: int = 24, mesh_param=None, extra: dict | None = None) -> dict:
     """First step: per-rank loss vs its SP group's unsharded sample; full grads vs the DP mean.
-    ``extra`` goes into the model config (a logits transform, say)."""
+    ``extra`` goes into the model config (a logits transform, say). With plain SGD in the config, the
+    step's update is compared too, with the unsharded gradient clipped by torch at the config's
+    ``gradient_clipping``, and so is the gradient norm the engine reports."""
     import deepspeed
-    from deepspeed.utils import safe_get_full_grad
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     import ds_ulysses
 
@@ -81,10 +83,25 @@ def engine_vs_reference(rank: int, world_size: int, config: dict, via_install: b
     floor = 1e-5 * torch.stack([p.grad.norm() for p in ref.parameters()]).norm().item()
     grad_err = max(rel_err(safe_get_full_grad(p).float(), q.grad, floor)
                    for p, q in zip(engine.module.parameters(), ref.parameters()))
+    out = {"loss": loss_err, "grad": grad_err, "sp": sp, "dp": dp}
+
+    def full_param(p):  # ZeRO-0 keeps no separate fp32 copy
+        full = safe_get_full_fp32_param(p)
+        return (p.detach() if full is None else full).float().clone()
+
+    before = [full_param(p) for p in engine.module.parameters()]
     engine.step()
+    if config["optimizer"]["type"] == "SGD":
+        clip, lr = config.get("gradient_clipping", 0.0), config["optimizer"]["params"]["lr"]
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip if clip > 0 else float("inf"))
+        update = torch.cat([(full_param(p) - b).flatten() for p, b in zip(engine.module.parameters(), before)])
+        expected = torch.cat([-lr * q.grad.flatten() for q in ref.parameters()])
+        out["update"], out["ref_norm"] = rel_err(update, expected), ref_norm.item()
+        reported = engine.get_global_grad_norm()
+        out["norm"] = None if reported is None else rel_err(torch.tensor(float(reported)), ref_norm)
     if via_install:
         ds_ulysses.uninstall()
-    return {"loss": loss_err, "grad": grad_err, "sp": sp, "dp": dp}
+    return out
 
 
 def not_sp_inputs(rank: int, world_size: int) -> dict:

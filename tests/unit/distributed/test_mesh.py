@@ -55,7 +55,10 @@ def _groups(rank, world_size):
     return {"sp": dist.get_process_group_ranks(mesh.sp_group), "dp": dist.get_process_group_ranks(mesh.dp_group),
             "ranks": (mesh.dp_rank, mesh.sp_rank), "mpu": (mesh.get_data_parallel_world_size(),
                                                            mesh.get_sequence_parallel_world_size(),
-                                                           mesh.get_sequence_data_parallel_world_size())}
+                                                           mesh.get_sequence_data_parallel_world_size()),
+            "model": [dist.get_process_group_ranks(get()) for get in (
+                mesh.get_model_parallel_group, mesh.get_tensor_model_parallel_group,
+                mesh.get_pipeline_model_parallel_group)]}
 
 
 def test_sp_groups_are_contiguous_rows_and_dp_groups_columns_of_the_rank_grid():
@@ -64,3 +67,5 @@ def test_sp_groups_are_contiguous_rows_and_dp_groups_columns_of_the_rank_grid():
         row, col = divmod(rank, 2)
         assert res["sp"] == [2 * row, 2 * row + 1] and res["dp"] == [col, col + 2]
         assert res["ranks"] == (row, col) and res["mpu"] == (2, 2, 4)
+        # no model parallelism: this rank alone (DeepSpeed sums gradient norms over it; None is the world)
+        assert res["model"] == [[rank]] * 3
