@@ -261,6 +261,64 @@ def test_gradient_clipping_clips_by_the_gradient_s_norm_as_deepspeed_s_does(stag
             assert rel_err(torch.tensor(ours["reported"]), torch.tensor(ds["reported"])) <= 1e-6, res
 
 
+def _engine_on(implementation, world_size, stage):
+    """A tiny Llama on a DeepSpeed engine with the module's registration and mpu (Adam, so a checkpoint
+    carries optimizer state); returns the engine and what undoes the registration."""
+    import deepspeed
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    module, sdpa = _both()[implementation], ALL_ATTENTION_FUNCTIONS["sdpa"]
+    cfg = tiny_config("llama", heads=4, kv_heads=2, head_dim=4)
+    mpu = module.UlyssesSPAttentionHF.register_with_transformers(cfg_holder(cfg), "sdpa", world_size, 1)
+    model = tiny_model(cfg)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+              "sequence_parallel_size": world_size}
+    engine, *_ = deepspeed.initialize(config=config, model=model, model_parameters=model.parameters(), mpu=mpu)
+
+    def undo():
+        if implementation == "ours":
+            ds_ulysses.uninstall()
+        else:  # DeepSpeed's registration has no undo: put Transformers' sdpa back
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+
+    return engine, undo
+
+
+def _resume_across(rank, world_size, stage, saver, loader, path):
+    """``saver`` trains a step, saves, trains a second; ``loader`` loads that checkpoint and trains the same
+    second step. Returns both second steps' full parameters."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(rank))
+    batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(8)[None] + 8 * rank}  # rank's shard
+
+    def step(engine):
+        engine.backward(engine(**batch).loss)
+        engine.step()
+        return [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
+
+    engine, undo = _engine_on(saver, world_size, stage)
+    step(engine)
+    engine.save_checkpoint(path, tag="step1")
+    continued = step(engine)
+    undo()
+    engine, undo = _engine_on(loader, world_size, stage)
+    engine.load_checkpoint(path, tag="step1")
+    resumed = step(engine)
+    undo()
+    return {"continued": continued, "resumed": resumed}
+
+
+@pytest.mark.parametrize("saver,loader", [("deepspeed", "ours"), ("ours", "deepspeed")])
+def test_a_checkpoint_of_either_module_resumes_under_the_other(saver, loader, tmp_path):
+    """Changing the import mid-run: the engine resumes DeepSpeed's checkpoint (the mpu names its files)
+    with its optimizer state, and the second step is the one the saving run took."""
+    for res in run_distributed(_resume_across, 2, 3, saver, loader, str(tmp_path), timeout=600):
+        for resumed, continued in zip(res["resumed"], res["continued"]):
+            assert rel_err(resumed, continued) <= 1e-5
+
+
 def _mpus(rank, world_size):
     out = {}
     for name, module in _both().items():
