@@ -54,12 +54,44 @@ _TAG = "install"
 def loss_grad_scale(ds_config: dict, sp: int) -> float:
     """How the SP loss must scale its backward so DeepSpeed's reduction yields the non-SP gradient.
 
-    ZeRO-3's reduce-scatter averages gradients over all sp x dp ranks; every other path (ZeRO-0/1/2,
-    ZeRO-3 with ``reduce_scatter: false``) divides by dp only, i.e. sums over SP peers.
+    ZeRO-3's reduce-scatter averages gradients over all sp x dp ranks; ZeRO-0/1/2 divide by dp only,
+    i.e. sum over SP peers. ZeRO-3 with ``reduce_scatter: false`` does either, bucket by bucket: DeepSpeed
+    0.19 divides a contiguous bucket within ``reduce_bucket_size`` by dp and averages any other (with
+    ``contiguous_gradients: false``, or holding a parameter larger than the bucket size, as a large
+    vocabulary's embedding is) over sp x dp, so under SP no one scale is right: refused.
     """
     zero = ds_config.get("zero_optimization") or {}
+    if int(zero.get("stage", 0)) != 3:
+        return 1.0
+    if sp > 1 and not zero.get("reduce_scatter", True):
+        raise ValueError(
+            f"ZeRO-3 with \"reduce_scatter\": false cannot train exactly under SP (sp={sp}): DeepSpeed then divides a "
+            "contiguous gradient bucket within reduce_bucket_size by dp but averages any other bucket over sp x dp "
+            "(contiguous_gradients false, or a parameter larger than reduce_bucket_size, such as a large "
+            f"vocabulary's embedding), so those gradients would be 1/{sp} of their non-SP value; expected ZeRO-3's "
+            "reduce-scatter, which averages every gradient alike; fix: drop \"reduce_scatter\": false from "
+            "zero_optimization (or use ZeRO stage 2)")
+    return float(sp)
+
+
+def check_gradient_predivide(ds_config: dict, sp: int, world_size: int) -> None:
+    """ZeRO-1/2 without reduce-scatter, a ``gradient_predivide_factor`` equal to the world size, under SP, is
+    refused: DeepSpeed 0.19 divides by the factor before its all-reduce and multiplies by factor / (world / sp)
+    after it, but skips that multiply when the factor equals the world size, so every gradient would be 1/sp
+    of its non-SP value. (ZeRO-0 compares the factor with world / sp and is exact; ZeRO-1/2 with
+    reduce-scatter and ZeRO-3 reject any factor but 1 themselves.)"""
+    zero = ds_config.get("zero_optimization") or {}
     stage = int(zero.get("stage", 0))
-    return float(sp) if stage == 3 and zero.get("reduce_scatter", True) else 1.0
+    factor = ds_config.get("gradient_predivide_factor", 1.0)
+    if (sp == 1 or stage not in (1, 2) or zero.get("reduce_scatter", True) or ds_config.get("prescale_gradients")
+            or factor != world_size):
+        return
+    raise ValueError(
+        f"gradient_predivide_factor={factor} equals the world size ({world_size}) at ZeRO stage {stage} with "
+        "\"reduce_scatter\": false: DeepSpeed then skips the multiply after its all-reduce, though under SP it "
+        f"should multiply by factor / (world / sp) = {factor / (world_size // sp):g}, so every gradient would be "
+        f"1/{sp} of its non-SP value; expected any other factor; fix: leave gradient_predivide_factor at 1.0 (the "
+        "default) or drop \"reduce_scatter\": false")
 
 
 def check_fp16_loss_scaling(ds_config: dict) -> None:
@@ -287,9 +319,11 @@ def initialize(model=None, config=None, mesh_param=None, model_parameters=None, 
         deepspeed.init_distributed(timeout=section.comm_timeout)
     _check_ranks_agree(section, model)
     dp, sp = mesh_shape(dist.get_world_size(), section.sp, section.mesh_param)
+    grad_scale = loss_grad_scale(ds_config, sp)
+    check_gradient_predivide(ds_config, sp, dp * sp)
     mesh = _reuse_mesh(mpu, dp, sp) if mpu is not None else Mesh(dp, sp, section.comm_timeout_seconds)
     micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
-    prepare_model(model, section, mesh, micro, loss_grad_scale(ds_config, sp))
+    prepare_model(model, section, mesh, micro, grad_scale)
     ds_config["sequence_parallel_size"] = sp
     _fit_train_batch_size(ds_config, mesh)
     if model_parameters is None:

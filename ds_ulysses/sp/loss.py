@@ -10,9 +10,9 @@ that is exactly the non-SP gradient, because the all-to-all backward already rou
 gradient to the rank that owns the weights' inputs.
 
 How DeepSpeed combines the ranks' gradients decides ``grad_scale``: when it sums over SP peers
-(ZeRO-0/1/2, and ZeRO-3 with ``reduce_scatter: false``: it pre-divides by the DP size only) the
-scale is 1; when it averages over all SP x DP ranks (ZeRO-3's reduce-scatter) the scale is sp.
-:func:`ds_ulysses.engine.loss_grad_scale` picks it from the config; nothing has to guess.
+(ZeRO-0/1/2: it pre-divides by the DP size only) the scale is 1; when it averages over all SP x DP
+ranks (ZeRO-3's reduce-scatter) the scale is sp. :func:`ds_ulysses.engine.loss_grad_scale` picks it
+from the config (and refuses ZeRO-3 without reduce-scatter, which does either); nothing has to guess.
 
 A label outside ``[0, V)`` (other than the ignore index) would make cross-entropy raise on its rank
 alone while the others wait in the all_reduce. Instead each rank masks such labels, counts them,

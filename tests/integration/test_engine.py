@@ -38,7 +38,7 @@ def test_install_makes_plain_deepspeed_initialize_honour_the_section():
     _check(run_distributed(engine_vs_reference, 4, ds_config(3, offload=True), True, timeout=600), 2, 2)
 
 
-@pytest.mark.parametrize("stage,zero", [(0, {}), (1, {}), (2, {}), (3, {"reduce_scatter": False})])
+@pytest.mark.parametrize("stage,zero", [(0, {}), (1, {}), (2, {}), (2, {"reduce_scatter": False})])
 def test_every_zero_stage_gives_non_sp_gradients(stage, zero):
     _check(run_distributed(engine_vs_reference, 2, ds_config(stage, **zero), timeout=600), 1, 2)
 
@@ -107,9 +107,79 @@ def test_train_batch_size_filled_for_plain_data_parallelism_is_resized_for_the_m
 
 def test_grad_scale_follows_the_reduction_path():
     assert loss_grad_scale({"zero_optimization": {"stage": 3}}, 4) == 4
-    assert loss_grad_scale({"zero_optimization": {"stage": 3, "reduce_scatter": False}}, 4) == 1
+    assert loss_grad_scale({"zero_optimization": {"stage": 3, "reduce_scatter": False}}, 1) == 1
+    assert loss_grad_scale({"zero_optimization": {"stage": 2, "reduce_scatter": False}}, 4) == 1
     assert loss_grad_scale({"zero_optimization": {"stage": 2}}, 4) == 1
     assert loss_grad_scale({}, 4) == 1
+    with pytest.raises(ValueError, match=r"ZeRO-3 with \"reduce_scatter\": false cannot train exactly under SP "
+                                         r"\(sp=4\).* 1/4 of their non-SP value.* fix: drop \"reduce_scatter\": false"):
+        loss_grad_scale({"zero_optimization": {"stage": 3, "reduce_scatter": False}}, 4)
+
+
+def _reduction_refusals(rank, world_size):
+    """initialize with each reduction DeepSpeed would get wrong under SP: the error, and whether the model was
+    left as it came (no SP attention registered)."""
+    import ds_ulysses
+    from ds_ulysses.hf.register import sp_attention_of
+
+    from tests.support.models import tiny_config, tiny_model
+
+    configs = {"zero3_without_reduce_scatter": ds_config(3, reduce_scatter=False),
+               "predivide_equal_to_world": {**ds_config(2, reduce_scatter=False), "gradient_predivide_factor": 2.0}}
+    out = {}
+    for name, config in configs.items():
+        model = tiny_model(tiny_config("llama"))
+        try:
+            ds_ulysses.initialize(model=model, config=config)
+            out[name] = None
+        except ValueError as err:
+            out[name] = (str(err), sp_attention_of(model) is None)
+    return out
+
+
+def test_reductions_deepspeed_gets_wrong_under_sp_are_refused_before_the_model_changes():
+    for res in run_distributed(_reduction_refusals, 2):
+        message, untouched = res["zero3_without_reduce_scatter"]
+        assert message.startswith("ZeRO-3 with \"reduce_scatter\": false cannot train exactly under SP (sp=2)")
+        assert untouched
+        message, untouched = res["predivide_equal_to_world"]
+        assert message.startswith("gradient_predivide_factor=2.0 equals the world size (2) at ZeRO stage 2 with "
+                                  "\"reduce_scatter\": false") and "1/2 of its non-SP value" in message
+        assert untouched
+
+
+def _deepspeed_s_reduction(rank, world_size, zero, top):
+    """Plain DeepSpeed on a 1 x 2 mesh, both ranks the same input, so each holds the whole gradient g: a
+    reduction that sums over SP peers (ZeRO-0/1/2's, which the SP loss's scale 1 expects) gives 2g, one that
+    averages over the world (ZeRO-3's reduce-scatter, scale sp) gives g. A 50- and a 500-element weight, a
+    100-element reduce bucket. Returns each weight's reduced gradient over g."""
+    import copy
+
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 5, bias=False), torch.nn.Linear(5, 100, bias=False))
+    ref, x = copy.deepcopy(model), torch.randn(4, 10)
+    ref(x).pow(2).mean().backward()
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_allow_untested_optimizer": True, "sequence_parallel_size": 2,
+              "zero_optimization": {"reduce_bucket_size": 100, **zero}, **top}
+    engine, *_ = deepspeed.initialize(model=model, config=config, mpu=Mesh(1, 2))
+    engine.backward(engine(x).pow(2).mean())
+    return [(safe_get_full_grad(p).norm() / q.grad.norm()).item()
+            for p, q in zip(engine.module.parameters(), ref.parameters())]
+
+
+@pytest.mark.parametrize("zero,top,ratios", [
+    ({"stage": 3, "reduce_scatter": False, "stage3_param_persistence_threshold": 0}, {}, [2.0, 1.0]),
+    ({"stage": 2, "reduce_scatter": False}, {"gradient_predivide_factor": 2.0}, [1.0, 1.0])])
+def test_deepspeed_s_reductions_that_the_sp_loss_cannot_serve(zero, top, ratios):
+    """The premise of the two refusals above, measured on DeepSpeed: ZeRO-3 without reduce-scatter sums the
+    small weight's bucket over SP peers but averages the weight larger than the bucket; ZeRO-2 without it,
+    with a predivide factor equal to the world size, averages where it sums with any other factor. When an
+    upgrade of DeepSpeed makes either one reduction, this fails: lift that refusal then."""
+    assert run_distributed(_deepspeed_s_reduction, 2, zero, top)[0] == pytest.approx(ratios, rel=1e-5)
 
 
 def test_fp16_that_deepspeed_would_leave_unscaled_is_refused_before_anything_changes():
