@@ -197,47 +197,37 @@ def test_deepspeed_s_sp_training_scenario_gives_deepspeed_s_numbers_and_ours_is_
         assert rel_err(ds["grad_b"], factor * ds["grad_a"]) <= 1e-4
 
 
+def _full_param(p):
+    """The full fp32 parameter under ZeRO-1/2/3; ZeRO-0 keeps no separate fp32 copy."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    full = safe_get_full_fp32_param(p)
+    return (p.detach() if full is None else full).float().clone()
+
+
 def _clipped_step(rank, world_size, stage, implementation):
     """DeepSpeed's tutorial setup (register_with_transformers' mpu, the adapter, its loss recipe) with
     gradient clipping and plain SGD: the step's update over the engine's own full gradient, against
     torch's clip coefficient min(1, clip / norm), and the norm the engine reports."""
-    import deepspeed
-    from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_grad
+    from deepspeed.utils import groups, safe_get_full_grad
 
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    module = _both()[implementation]
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     clip = 0.1
-    cfg = tiny_config("llama", heads=4, kv_heads=2, head_dim=4)
-    mpu = module.UlyssesSPAttentionHF.register_with_transformers(cfg_holder(cfg), "sdpa", world_size, 1)
-    model = tiny_model(cfg)
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "SGD", "params": {"lr": 1.0}}, "zero_allow_untested_optimizer": True,
-              "gradient_clipping": clip, "sequence_parallel_size": world_size}
-    engine, *_ = deepspeed.initialize(config=config, model=model, model_parameters=model.parameters(), mpu=mpu)
-    group, sp_rank = groups._get_sequence_parallel_group(), groups._get_sequence_parallel_rank()
-    adapter = module.UlyssesSPDataLoaderAdapter(_sample_loader(), sp_rank=sp_rank, sp_group=group,
-                                                sp_world_size=world_size, device=engine.device)
+    engine, undo = _engine_on(implementation, world_size, stage, gradient_clipping=clip,
+                              optimizer={"type": "SGD", "params": {"lr": 1.0}}, zero_allow_untested_optimizer=True)
+    adapter = _both()[implementation].UlyssesSPDataLoaderAdapter(
+        _sample_loader(), sp_rank=groups._get_sequence_parallel_rank(), sp_group=groups._get_sequence_parallel_group(),
+        sp_world_size=world_size, device=engine.device)
     batch = next(iter(adapter))
     batch.pop("source")
     shift_labels = batch.pop("shift_labels")
     logits = engine(**batch).logits
     engine.backward(engine.module.loss_function(logits=logits, labels=None, shift_labels=shift_labels,
-                                                vocab_size=cfg.vocab_size))
-
-    def full_param(p):  # ZeRO-0 keeps no separate fp32 copy
-        full = safe_get_full_fp32_param(p)
-        return (p.detach() if full is None else full).clone()
-
+                                                vocab_size=logits.shape[-1]))
     grad = torch.cat([safe_get_full_grad(p).flatten() for p in engine.module.parameters()])
-    before = [full_param(p) for p in engine.module.parameters()]
+    before = [_full_param(p) for p in engine.module.parameters()]
     engine.step()
-    update = torch.cat([(b - full_param(p)).flatten() for p, b in zip(engine.module.parameters(), before)])
-    if implementation == "ours":
-        ds_ulysses.uninstall()
-    else:  # DeepSpeed's registration has no undo: put Transformers' sdpa back for the next case
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+    update = torch.cat([(b - _full_param(p)).flatten() for p, b in zip(engine.module.parameters(), before)])
+    undo()
     reported = engine.get_global_grad_norm()  # None where DeepSpeed keeps no norm (fp32 at ZeRO-0)
     return {"grad_norm": grad.norm().item(), "reported": None if reported is None else float(reported),
             "clip_error": rel_err(update, min(1.0, clip / (grad.norm().item() + 1e-6)) * grad)}
@@ -261,9 +251,10 @@ def test_gradient_clipping_clips_by_the_gradient_s_norm_as_deepspeed_s_does(stag
             assert rel_err(torch.tensor(ours["reported"]), torch.tensor(ds["reported"])) <= 1e-6, res
 
 
-def _engine_on(implementation, world_size, stage):
-    """A tiny Llama on a DeepSpeed engine with the module's registration and mpu (Adam, so a checkpoint
-    carries optimizer state); returns the engine and what undoes the registration."""
+def _engine_on(implementation, world_size, stage, **config):
+    """A tiny Llama on a DeepSpeed engine with the module's registration and mpu (Adam unless ``config``
+    says otherwise, so a checkpoint carries optimizer state); returns the engine and what undoes the
+    registration."""
     import deepspeed
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -273,7 +264,7 @@ def _engine_on(implementation, world_size, stage):
     model = tiny_model(cfg)
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-              "sequence_parallel_size": world_size}
+              "sequence_parallel_size": world_size, **config}
     engine, *_ = deepspeed.initialize(config=config, model=model, model_parameters=model.parameters(), mpu=mpu)
 
     def undo():
@@ -288,15 +279,13 @@ def _engine_on(implementation, world_size, stage):
 def _resume_across(rank, world_size, stage, saver, loader, path):
     """``saver`` trains a step, saves, trains a second; ``loader`` loads that checkpoint and trains the same
     second step. Returns both second steps' full parameters."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
     ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(rank))
     batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(8)[None] + 8 * rank}  # rank's shard
 
     def step(engine):
         engine.backward(engine(**batch).loss)
         engine.step()
-        return [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
+        return [_full_param(p) for p in engine.module.parameters()]
 
     engine, undo = _engine_on(saver, world_size, stage)
     step(engine)
