@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import ds_ulysses
 from tests.support.distributed import run_distributed
+from tests.support.engine_cases import full_fp32_param
 from tests.support.models import rel_err, tiny_config, tiny_model
 
 pytestmark = pytest.mark.slow
@@ -197,14 +198,6 @@ def test_deepspeed_s_sp_training_scenario_gives_deepspeed_s_numbers_and_ours_is_
         assert rel_err(ds["grad_b"], factor * ds["grad_a"]) <= 1e-4
 
 
-def _full_param(p):
-    """The full fp32 parameter under ZeRO-1/2/3; ZeRO-0 keeps no separate fp32 copy."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    full = safe_get_full_fp32_param(p)
-    return (p.detach() if full is None else full).float().clone()
-
-
 def _clipped_step(rank, world_size, stage, implementation):
     """DeepSpeed's tutorial setup (register_with_transformers' mpu, the adapter, its loss recipe) with
     gradient clipping and plain SGD: the step's update over the engine's own full gradient, against
@@ -224,9 +217,9 @@ def _clipped_step(rank, world_size, stage, implementation):
     engine.backward(engine.module.loss_function(logits=logits, labels=None, shift_labels=shift_labels,
                                                 vocab_size=logits.shape[-1]))
     grad = torch.cat([safe_get_full_grad(p).flatten() for p in engine.module.parameters()])
-    before = [_full_param(p) for p in engine.module.parameters()]
+    before = [full_fp32_param(p) for p in engine.module.parameters()]
     engine.step()
-    update = torch.cat([(b - _full_param(p)).flatten() for p, b in zip(engine.module.parameters(), before)])
+    update = torch.cat([(b - full_fp32_param(p)).flatten() for p, b in zip(engine.module.parameters(), before)])
     undo()
     reported = engine.get_global_grad_norm()  # None where DeepSpeed keeps no norm (fp32 at ZeRO-0)
     return {"grad_norm": grad.norm().item(), "reported": None if reported is None else float(reported),
@@ -285,7 +278,7 @@ def _resume_across(rank, world_size, stage, saver, loader, path):
     def step(engine):
         engine.backward(engine(**batch).loss)
         engine.step()
-        return [_full_param(p) for p in engine.module.parameters()]
+        return [full_fp32_param(p) for p in engine.module.parameters()]
 
     engine, undo = _engine_on(saver, world_size, stage)
     step(engine)

@@ -20,6 +20,14 @@ def require_fp16() -> None:
         pytest.skip("DeepSpeed has no fp16 on this CPU (no AVX512-FP16/AMX): it refuses the config")
 
 
+def full_fp32_param(p: torch.nn.Parameter) -> torch.Tensor:
+    """A copy of the whole fp32 parameter under ZeRO-1/2/3; ZeRO-0 keeps no separate fp32 copy."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    full = safe_get_full_fp32_param(p)
+    return (p.detach() if full is None else full).float().clone()
+
+
 def ds_config(stage: int, offload: bool = False, sp: int = 2, extra_section: dict | None = None, **zero) -> dict:
     zero_cfg = {"stage": stage, **zero}
     if offload:
@@ -49,7 +57,7 @@ def engine_vs_reference(rank: int, world_size: int, config: dict, via_install: b
     step's update is compared too, with the unsharded gradient clipped by torch at the config's
     ``gradient_clipping``, and so is the gradient norm the engine reports."""
     import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+    from deepspeed.utils import safe_get_full_grad
 
     import ds_ulysses
 
@@ -84,17 +92,12 @@ def engine_vs_reference(rank: int, world_size: int, config: dict, via_install: b
     grad_err = max(rel_err(safe_get_full_grad(p).float(), q.grad, floor)
                    for p, q in zip(engine.module.parameters(), ref.parameters()))
     out = {"loss": loss_err, "grad": grad_err, "sp": sp, "dp": dp}
-
-    def full_param(p):  # ZeRO-0 keeps no separate fp32 copy
-        full = safe_get_full_fp32_param(p)
-        return (p.detach() if full is None else full).float().clone()
-
-    before = [full_param(p) for p in engine.module.parameters()]
+    before = [full_fp32_param(p) for p in engine.module.parameters()]
     engine.step()
     if config["optimizer"]["type"] == "SGD":
         clip, lr = config.get("gradient_clipping", 0.0), config["optimizer"]["params"]["lr"]
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip if clip > 0 else float("inf"))
-        update = torch.cat([(full_param(p) - b).flatten() for p, b in zip(engine.module.parameters(), before)])
+        update = torch.cat([(full_fp32_param(p) - b).flatten() for p, b in zip(engine.module.parameters(), before)])
         expected = torch.cat([-lr * q.grad.flatten() for q in ref.parameters()])
         out["update"], out["ref_norm"] = rel_err(update, expected), ref_norm.item()
         reported = engine.get_global_grad_norm()
