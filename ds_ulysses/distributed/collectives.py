@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["collective_device", "group_size", "group_rank", "all_gather_bytes", "all_reduce_max"]
+__all__ = ["collective_device", "group_size", "group_rank", "all_gather_bytes", "all_reduce_max", "all_reduce_sum"]
 
 
 def group_size(group=None) -> int:
@@ -53,8 +53,17 @@ def all_gather_bytes(payload: bytes, group=None) -> list[bytes]:
 
 def all_reduce_max(value: int, group=None) -> int:
     """The largest ``value`` over the ranks of ``group``."""
+    return _all_reduce_int(value, dist.ReduceOp.MAX, group)
+
+
+def all_reduce_sum(value: int, group=None) -> int:
+    """The sum of ``value`` over the ranks of ``group``."""
+    return _all_reduce_int(value, dist.ReduceOp.SUM, group)
+
+
+def _all_reduce_int(value: int, op, group) -> int:
     if group_size(group) == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(t, op=op, group=group)
     return int(t.item())

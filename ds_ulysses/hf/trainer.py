@@ -15,6 +15,12 @@ the Trainer computes the loss with ``deepspeed_sp_compute_loss``. After :func:`d
 - the Trainer's SP loss is the model's own (:func:`sp_compute_loss`): Transformers' weights per-rank
   mean losses through a differentiable all_gather, which is exact only under ZeRO-3's reduction
   (an average over all ranks) and twice the gradient at sp 2 under ZeRO-1/2 (a sum over SP peers);
+- the step's loss is weighted by tokens as the Trainer without SP weights it (:func:`step_tokens`,
+  :func:`token_weight`): Transformers' SP path drops ``num_items_in_batch`` and averages micro-batch
+  means instead, which differs from non-SP training as soon as micro-batches (over the accumulation
+  window and the DP replicas) hold different numbers of labelled tokens;
+- the Trainer options its SP loss would drop silently, label smoothing and ``compute_loss_func``, are
+  refused when training starts, before the engine is built (:func:`refuse_dropped_loss_features`);
 - the Trainer's resume skips into the adapter (:func:`skip_first_batches`), which Accelerate's
   version cannot (the adapter is not a DataLoader).
 
@@ -28,17 +34,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import sys
 
 import torch.distributed as dist
 
 from ..config import UlyssesConfig, parse_ds_config
 from ..config.schema import SECTION_KEY
-from ..distributed.mesh import mesh_shape
+from ..constants import IGNORE_INDEX
+from ..distributed.collectives import all_reduce_sum
+from ..distributed.mesh import Mesh, mesh_shape
 from ..patching import PATCHES
 from ..sp.data import UlyssesSPDataLoaderAdapter
 
-__all__ = ["reconcile", "sp_compute_loss", "skip_first_batches", "install_accelerate"]
+__all__ = ["reconcile", "sp_compute_loss", "skip_first_batches", "install_accelerate", "step_tokens",
+           "token_weight", "refuse_dropped_loss_features"]
 
 
 def _pc_values(pc) -> dict:
@@ -148,14 +158,117 @@ def skip_first_batches(original, dataloader, num_batches=0):
     return original(dataloader, num_batches)
 
 
+def _sp_enabled(trainer) -> bool:
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    return pc is not None and pc.sp_backend == "deepspeed" and pc.sp_enabled
+
+
+def _sp_training(trainer) -> bool:
+    """Whether ``compute_loss`` takes the Trainer's SP branch (Transformers' own condition)."""
+    return _sp_enabled(trainer) and trainer.model.training
+
+
+def refuse_dropped_loss_features(trainer) -> None:
+    """Refuse the Trainer options its SP training loss would drop silently: the SP branch of
+    ``Trainer.compute_loss`` returns before label smoothing or a ``compute_loss_func`` is applied."""
+    if not _sp_enabled(trainer):
+        return
+    sp = trainer.accelerator.parallelism_config.sp_size
+    if trainer.label_smoother is not None:
+        raise ValueError(
+            f"Ulysses SP (sp_size={sp}) cannot serve label_smoothing_factor={trainer.args.label_smoothing_factor}: "
+            "the Trainer's SP training loss is the model's token-mean cross-entropy over the whole sequence and "
+            "would drop the smoothing silently; expected label_smoothing_factor=0; fix: set "
+            "label_smoothing_factor=0, or train without sequence parallelism")
+    if trainer.compute_loss_func is not None:
+        raise ValueError(
+            f"Ulysses SP (sp_size={sp}) cannot serve compute_loss_func={trainer.compute_loss_func!r}: the Trainer's "
+            "SP training loss is the model's token-mean cross-entropy over the whole sequence (each rank holds a "
+            "shard of it) and would never call the function; expected compute_loss_func=None; fix: drop "
+            "compute_loss_func, or train without sequence parallelism")
+
+
+def _weights_by_tokens(trainer) -> bool:
+    """Whether the same Trainer without SP divides each micro-batch's loss sum by the step's token count
+    (``num_items_in_batch``): Transformers' rule, a model whose forward takes loss kwargs. Under SP the
+    Trainer sets ``model_accepts_loss_kwargs`` to False, so it is read from the model again here."""
+    model = sys.modules["transformers.trainer"].unwrap_peft_model(trainer.accelerator.unwrap_model(trainer.model))
+    if hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+
+
+def _mesh(trainer) -> Mesh | None:
+    mpu = getattr(trainer.model_wrapped, "mpu", None)
+    return mpu if isinstance(mpu, Mesh) else None
+
+
+def step_tokens(trainer, batch_samples: list) -> int | None:
+    """The optimizer step's labelled-token count, the divisor the Trainer without SP uses: this rank's
+    shards of the accumulation window summed over every rank (``average_tokens_across_devices``, the
+    default) or over the SP group (one DP replica's samples). None where the Trainer without SP
+    averages micro-batch means instead, or when the batches are not the adapter's (the SP loss refuses them)."""
+    mesh = _mesh(trainer)
+    if mesh is None or not _weights_by_tokens(trainer) or any("shift_labels" not in b for b in batch_samples):
+        return None
+    local = sum(int((b["shift_labels"] != IGNORE_INDEX).sum()) for b in batch_samples)
+    return all_reduce_sum(local, None if trainer.args.average_tokens_across_devices else mesh.sp_group)
+
+
+def token_weight(trainer, inputs: dict, tokens_in_step: int) -> float:
+    """What the micro-batch's SP loss (its own token mean) is multiplied by so that the step's gradient is
+    the Trainer's without SP: ``micro-batch tokens / step tokens``, times the DP size when the divisor spans
+    every replica (DeepSpeed averages the replicas' gradients, the Trainer without SP multiplies by the
+    process count for that), times the accumulation steps the Trainer divides the SP loss by."""
+    mesh = _mesh(trainer)
+    tokens = all_reduce_sum(int((inputs["shift_labels"] != IGNORE_INDEX).sum()), mesh.sp_group)
+    weight = tokens / max(tokens_in_step, 1)
+    if trainer.args.average_tokens_across_devices:
+        weight *= mesh.dp
+    if getattr(trainer, "loss_is_scaled_for_ga", None) is not True:
+        weight *= trainer.current_gradient_accumulation_steps
+    return weight
+
+
+def _train(original, trainer, *args, **kwargs):
+    refuse_dropped_loss_features(trainer)
+    return original(trainer, *args, **kwargs)
+
+
+def _get_batch_samples(original, trainer, epoch_iterator, num_batches, device):
+    batch_samples, num_items_in_batch = original(trainer, epoch_iterator, num_batches, device)
+    if _sp_training(trainer):
+        num_items_in_batch = step_tokens(trainer, batch_samples)
+    return batch_samples, num_items_in_batch
+
+
+def _compute_loss(original, trainer, model, inputs, return_outputs=False, num_items_in_batch=None):
+    out = original(trainer, model, inputs, return_outputs, num_items_in_batch)
+    if num_items_in_batch is None or not _sp_training(trainer):
+        return out
+    weight = token_weight(trainer, inputs, num_items_in_batch)
+    return (out[0] * weight, out[1]) if return_outputs else out * weight
+
+
+def _around(original, wrapper):
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        return wrapper(original, self, *args, **kwargs)
+    return method
+
+
 def _patch_trainer(tag: str) -> None:
-    """The Trainer's SP loss and resume skip, once ``transformers.trainer`` is imported."""
+    """The Trainer's SP loss, its token weighting, its refusals and its resume skip, once
+    ``transformers.trainer`` is imported."""
     trainer = sys.modules.get("transformers.trainer")
     if trainer is None or PATCHES.has(tag + ":trainer"):
         return
     PATCHES.set_attr(trainer, "deepspeed_sp_compute_loss", sp_compute_loss, tag + ":trainer")
     PATCHES.set_attr(trainer, "skip_first_batches", functools.partial(skip_first_batches, trainer.skip_first_batches),
                      tag + ":trainer")
+    for name, wrapper in (("train", _train), ("get_batch_samples", _get_batch_samples),
+                          ("compute_loss", _compute_loss)):
+        PATCHES.set_attr(trainer.Trainer, name, _around(getattr(trainer.Trainer, name), wrapper), tag + ":trainer")
 
 
 def install_accelerate(tag: str) -> None:

@@ -6,8 +6,11 @@ without SP (plain torch: the same model, samples and SGD steps; tests/support/tr
 - ``trainer.evaluate()`` gives the unsharded eval loss (each rank evaluates whole samples, SP off);
 - ``save_model`` under ZeRO-3 writes a model ``from_pretrained`` loads without SP or DeepSpeed;
 - resume from a checkpoint, in a second Trainer of the same process, reproduces the run;
+- a step of several micro-batches over DP replicas weights each labelled token as the Trainer without SP
+  does (``num_items_in_batch``), for both values of ``average_tokens_across_devices``;
 - what used to train plain data parallelism silently (``install()`` after the Trainer exists) fails on
-  every rank naming the missing piece; switches that disagree are refused naming both values.
+  every rank naming the missing piece; switches that disagree are refused naming both values, and so
+  are label smoothing and ``compute_loss_func``, which the SP loss would drop.
 """
 
 import pytest
@@ -54,6 +57,22 @@ def test_resume_in_a_second_trainer_reproduces_the_run(tmp_path):
             assert rel_err(resumed["params"][name], param) <= 1e-6, name
 
 
+def test_a_step_weights_tokens_over_micro_batches_and_replicas_as_the_trainer_without_sp(tmp_path):
+    """dp 2 x sp 2 on 4 ranks, 2 micro-batches per step, samples whose -100 prompts differ in length: the
+    Trainer without SP divides the step's summed loss by its labelled tokens (over every replica with
+    ``average_tokens_across_devices``, else over each replica's, averaging the replicas). Under SP the
+    adapter deals each replica 2 consecutive samples of the step's 4."""
+    data = tc.samples(16, prompts=True)
+    want = {True: tc.reference(data, 2, window=4), False: tc.reference(data, 2, window=4, groups=2)}
+    sample_means = tc.reference(data, 2, window=4, groups=4)  # what Transformers' SP path trains
+    for res in run_distributed(tc.trainer_token_weighting, 4, str(tmp_path), timeout=600):
+        for average, run in res.items():
+            logged = {**run, "losses": run["logged"]}
+            errors = tc.compare(logged, want[average])
+            assert errors["loss"] <= 1e-5 and errors["update"] <= 1e-4, (average, errors)
+            assert tc.compare(logged, sample_means)["update"] > 0.1  # the prompts make the weighting matter
+
+
 def test_sp_that_cannot_run_fails_on_every_rank_naming_the_missing_piece(tmp_path):
     for errors in run_distributed(tc.trainer_refusals, 2, str(tmp_path), timeout=600):
         assert "Ulysses SP is configured for this model, but its input did not come from " \
@@ -62,3 +81,5 @@ def test_sp_that_cannot_run_fails_on_every_rank_naming_the_missing_piece(tmp_pat
         assert ("Accelerate's parallelism_config has sp_handler.sp_attn_implementation='flash_attention_2' but the "
                 "DeepSpeed config's \"ulysses\" section has attn_implementation='sdpa'") \
             in errors["disagreeing_switches"]
+        assert "cannot serve label_smoothing_factor=0.1" in errors["label_smoothing"]
+        assert "cannot serve compute_loss_func=" in errors["compute_loss_func"]

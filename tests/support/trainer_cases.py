@@ -16,29 +16,50 @@ LR = 0.5
 SEQ = 16
 
 
-def samples(n: int, length: int = SEQ, seed: int = 0) -> list[dict]:
-    """``n`` samples of ``length`` tokens; labels are the ids (the model shifts them)."""
+def samples(n: int, length: int = SEQ, seed: int = 0, prompts: bool = False) -> list[dict]:
+    """``n`` samples of ``length`` tokens; labels are the ids (the model shifts them). ``prompts``: each
+    sample's first 1 to ``length - 3`` labels are -100 (an SFT prompt), so samples differ in labelled tokens."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         ids = torch.randint(0, VOCAB, (length,), generator=g)
-        out.append({"input_ids": ids, "labels": ids.clone()})
+        labels = ids.clone()
+        if prompts:
+            labels[:int(torch.randint(1, length - 2, (1,), generator=g))] = -100
+        out.append({"input_ids": ids, "labels": labels})
     return out
 
 
-def reference(data: list[dict], steps: int, eval_data: list[dict] | None = None) -> dict:
-    """One process, no SP: SGD on samples 0, 1, ..., steps-1; per-step losses, final parameters, and the
-    mean per-sample loss on ``eval_data`` after training."""
+def _labelled(sample: dict) -> int:
+    return int((sample["labels"][1:] != -100).sum())
+
+
+def reference(data: list[dict], steps: int, eval_data: list[dict] | None = None, window: int = 1,
+              groups: int = 1) -> dict:
+    """One process, no SP: SGD, step k on the ``window`` samples from ``k * window``; per-step losses, final
+    parameters, and the mean per-sample loss on ``eval_data`` after training. The step's loss is the token
+    mean over each of ``groups`` consecutive equal groups of its samples (a DP replica's share of the step),
+    averaged over the groups: ``groups=1`` is the window's token mean, ``groups=window`` the mean of the
+    samples' means."""
     model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
-    for sample in data[:steps]:
-        loss = model(input_ids=sample["input_ids"][None], labels=sample["labels"][None]).loss
-        loss.backward()
+    size = window // groups
+    for k in range(steps):
+        step = data[k * window:(k + 1) * window]
+        loss = 0.0
+        for g in range(groups):
+            group = step[g * size:(g + 1) * size]
+            tokens = sum(_labelled(s) for s in group)
+            for sample in group:
+                part = model(input_ids=sample["input_ids"][None], labels=sample["labels"][None]).loss
+                part = part * _labelled(sample) / (tokens * groups)
+                part.backward()
+                loss += part.item()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(loss)
     out = {"losses": losses, "start": start, "update": {n: p.detach() - start[n] for n, p in model.named_parameters()},
            "model": model}
     if eval_data is not None:
@@ -79,10 +100,14 @@ def compare(result: dict, ref: dict) -> dict:
 
 def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: str, steps: int = 3,
                 evaluate: bool = False, save: bool = False, resume_from: str | None = None,
-                save_steps: int = 0) -> dict:
-    """A real Trainer with SP at sp = world size, switched on by ``switch``: "section" (the DeepSpeed
-    config's "ulysses" section), "parallelism_config" (Transformers' documented path) or "both". Leaves
-    ds_ulysses installed (a second Trainer in the process registers over the first; the caller uninstalls)."""
+                save_steps: int = 0, *, sp: int | None = None, gas: int = 1, average_tokens: bool = True,
+                prompts: bool = False) -> dict:
+    """A real Trainer with SP at ``sp`` (the world size by default), switched on by ``switch``: "section"
+    (the DeepSpeed config's "ulysses" section), "parallelism_config" (Transformers' documented path) or
+    "both"; ``gas`` micro-batches per step, ``average_tokens`` its ``average_tokens_across_devices``,
+    ``prompts`` samples with -100 prompts (see :func:`samples`). Returns the losses ``compute_loss`` gave,
+    the losses the Trainer logged per step, and the final parameters. Leaves ds_ulysses installed (a
+    second Trainer in the process registers over the first; the caller uninstalls)."""
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import Trainer, TrainingArguments
 
@@ -94,11 +119,13 @@ def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: st
     # built before TrainingArguments: with a ZeRO-3 config they make from_config partition at construction
     # (zero.Init), which initialises the weights differently from the reference
     model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))
-    section = {"sequence_parallel_size": world_size} if switch in ("section", "both") else None
-    pc = (ParallelismConfig(sp_backend="deepspeed", sp_size=world_size)
+    sp = sp or world_size
+    section = {"sequence_parallel_size": sp} if switch in ("section", "both") else None
+    pc = (ParallelismConfig(sp_backend="deepspeed", sp_size=sp)
           if switch in ("parallelism_config", "both") else None)
     args = TrainingArguments(
         output_dir=out_dir, per_device_train_batch_size=1, per_device_eval_batch_size=1, max_steps=steps,
+        gradient_accumulation_steps=gas, average_tokens_across_devices=average_tokens,
         learning_rate=LR, optim="sgd", lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500, train_sampling_strategy="sequential", deepspeed=ds_config(stage, section),
@@ -112,11 +139,11 @@ def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: st
                 losses.append(float(loss.detach()))
             return loss
 
-    data = samples(2 * steps)
+    data = samples(2 * steps * gas * world_size // sp, prompts=prompts)
     trainer = Recording(model=model, args=args, train_dataset=data, eval_dataset=samples(4, seed=1))
     trainer.train(resume_from_checkpoint=resume_from)
-    out = {"losses": losses, "params": full_params(trainer.model_wrapped),
-           "sp": trainer.accelerator.parallelism_config.sp_size}
+    out = {"losses": losses, "logged": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+           "params": full_params(trainer.model_wrapped), "sp": trainer.accelerator.parallelism_config.sp_size}
     if evaluate:
         out["eval_loss"] = trainer.evaluate()["eval_loss"]
     if save:
@@ -136,9 +163,23 @@ def trainer_resume(rank: int, world_size: int, stage: int, out_dir: str) -> dict
     return {"whole": whole, "resumed": resumed}
 
 
+def trainer_token_weighting(rank: int, world_size: int, out_dir: str) -> dict:
+    """Two Trainers at dp 2 x sp 2, 2 micro-batches per step of samples with -100 prompts: ZeRO-1 with
+    ``average_tokens_across_devices`` False, then ZeRO-3 with True (in this order, so the ZeRO-3 Trainer's
+    zero.Init never builds the other's model). Each run's result, by that flag."""
+    import ds_ulysses
+
+    runs = {average: trainer_run(rank, world_size, stage, "section", f"{out_dir}/{stage}", steps=2, sp=2, gas=2,
+                                 average_tokens=average, prompts=True)
+            for stage, average in ((1, False), (3, True))}
+    ds_ulysses.uninstall()
+    return runs
+
+
 def trainer_refusals(rank: int, world_size: int, out_dir: str) -> dict:
     """What used to train plain data parallelism or be refused: ``install()`` called after the Trainer was
-    built (its loader is never wrapped), and the two switches disagreeing. Returns each error message."""
+    built (its loader is never wrapped), and the two switches disagreeing; what the SP loss would drop:
+    label smoothing and a ``compute_loss_func``. Returns each error message."""
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
     from transformers import Trainer, TrainingArguments
@@ -149,12 +190,13 @@ def trainer_refusals(rank: int, world_size: int, out_dir: str) -> dict:
     report_gloo_world()
     errors = {}
 
-    def trainer(parallelism_config=None):
+    def trainer(parallelism_config=None, compute_loss_func=None, **args):
         args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=1, max_steps=2, optim="sgd",
                                  report_to=[], save_strategy="no", disable_tqdm=True,
                                  parallelism_config=parallelism_config,
-                                 deepspeed=ds_config(2, {"sequence_parallel_size": world_size}))
-        return Trainer(model=tiny_model(tiny_config("llama", heads=4, kv_heads=2)), args=args, train_dataset=samples(4))
+                                 deepspeed=ds_config(2, {"sequence_parallel_size": world_size}), **args)
+        return Trainer(model=tiny_model(tiny_config("llama", heads=4, kv_heads=2)), args=args,
+                       train_dataset=samples(4), compute_loss_func=compute_loss_func)
 
     late = trainer()
     ds_ulysses.install()
@@ -167,6 +209,12 @@ def trainer_refusals(rank: int, world_size: int, out_dir: str) -> dict:
         trainer(ParallelismConfig(sp_backend="deepspeed", sp_size=world_size, sp_handler=flash))
     except ValueError as err:
         errors["disagreeing_switches"] = str(err)
+    for name, dropped in (("label_smoothing", trainer(label_smoothing_factor=0.1)),
+                          ("compute_loss_func", trainer(compute_loss_func=lambda outputs, labels, **kw: outputs.loss))):
+        try:
+            dropped.train()
+        except ValueError as err:
+            errors[name] = str(err)
     ds_ulysses.uninstall()
     return errors
 

@@ -100,7 +100,9 @@ def test_install_points_accelerate_and_the_trainer_at_ds_ulysses_and_uninstall_r
 
     def current():
         return (deepspeed.initialize, ulysses_sp.UlyssesSPAttentionHF, ulysses_sp.UlyssesSPDataLoaderAdapter,
-                Accelerator.__init__, trainer_module.deepspeed_sp_compute_loss, trainer_module.skip_first_batches)
+                Accelerator.__init__, trainer_module.deepspeed_sp_compute_loss, trainer_module.skip_first_batches,
+                trainer_module.Trainer.train, trainer_module.Trainer.get_batch_samples,
+                trainer_module.Trainer.compute_loss)
 
     before = current()
     ds_ulysses.install()
