@@ -21,6 +21,7 @@ the Trainer computes the loss with ``deepspeed_sp_compute_loss``. After :func:`d
   window and the DP replicas) hold different numbers of labelled tokens;
 - the Trainer options its SP loss would drop silently, label smoothing and ``compute_loss_func``, are
   refused when training starts, before the engine is built (:func:`refuse_dropped_loss_features`);
+- NEFTune's noise is bounded by the whole sequence's length, not a shard's (:func:`activate_neftune`);
 - the Trainer's resume skips into the adapter (:func:`skip_first_batches`), which Accelerate's
   version cannot (the adapter is not a DataLoader).
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import sys
 
 import torch.distributed as dist
@@ -48,7 +50,7 @@ from ..patching import PATCHES
 from ..sp.data import UlyssesSPDataLoaderAdapter
 
 __all__ = ["reconcile", "sp_compute_loss", "skip_first_batches", "install_accelerate", "step_tokens",
-           "token_weight", "refuse_dropped_loss_features"]
+           "token_weight", "refuse_dropped_loss_features", "activate_neftune"]
 
 
 def _pc_values(pc) -> dict:
@@ -158,20 +160,30 @@ def skip_first_batches(original, dataloader, num_batches=0):
     return original(dataloader, num_batches)
 
 
-def _sp_enabled(trainer) -> bool:
-    pc = getattr(trainer.accelerator, "parallelism_config", None)
+def activate_neftune(original, model, neftune_noise_alpha, accelerator=None):
+    """Transformers' ``activate_neftune`` (``original``), with SP's alpha. NEFTune draws its noise from
+    ``U(-m, m)``, ``m = alpha / sqrt(L * d)`` with ``L`` the length its embedding sees: a shard, ``1/sp`` of
+    the sequence, under SP, so the noise would be ``sqrt(sp)`` times larger than without SP. ``alpha /
+    sqrt(sp)`` gives the whole sequence's bound (its length padded to a multiple of sp)."""
+    if _sp_on(accelerator):
+        neftune_noise_alpha = neftune_noise_alpha / math.sqrt(accelerator.parallelism_config.sp_size)
+    return original(model, neftune_noise_alpha, accelerator)
+
+
+def _sp_on(accelerator) -> bool:
+    pc = getattr(accelerator, "parallelism_config", None)
     return pc is not None and pc.sp_backend == "deepspeed" and pc.sp_enabled
 
 
 def _sp_training(trainer) -> bool:
     """Whether ``compute_loss`` takes the Trainer's SP branch (Transformers' own condition)."""
-    return _sp_enabled(trainer) and trainer.model.training
+    return _sp_on(trainer.accelerator) and trainer.model.training
 
 
 def refuse_dropped_loss_features(trainer) -> None:
     """Refuse the Trainer options its SP training loss would drop silently: the SP branch of
     ``Trainer.compute_loss`` returns before label smoothing or a ``compute_loss_func`` is applied."""
-    if not _sp_enabled(trainer):
+    if not _sp_on(trainer.accelerator):
         return
     sp = trainer.accelerator.parallelism_config.sp_size
     if trainer.label_smoother is not None:
@@ -258,13 +270,15 @@ def _around(original, wrapper):
 
 
 def _patch_trainer(tag: str) -> None:
-    """The Trainer's SP loss, its token weighting, its refusals and its resume skip, once
+    """The Trainer's SP loss, its token weighting, its refusals, NEFTune's bound and its resume skip, once
     ``transformers.trainer`` is imported."""
     trainer = sys.modules.get("transformers.trainer")
     if trainer is None or PATCHES.has(tag + ":trainer"):
         return
     PATCHES.set_attr(trainer, "deepspeed_sp_compute_loss", sp_compute_loss, tag + ":trainer")
     PATCHES.set_attr(trainer, "skip_first_batches", functools.partial(skip_first_batches, trainer.skip_first_batches),
+                     tag + ":trainer")
+    PATCHES.set_attr(trainer, "activate_neftune", functools.partial(activate_neftune, trainer.activate_neftune),
                      tag + ":trainer")
     for name, wrapper in (("train", _train), ("get_batch_samples", _get_batch_samples),
                           ("compute_loss", _compute_loss)):

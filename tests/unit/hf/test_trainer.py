@@ -1,4 +1,7 @@
-"""The two SP switches made one: the "ulysses" section and Accelerate's parallelism_config, merged or refused."""
+"""The two SP switches made one: the "ulysses" section and Accelerate's parallelism_config, merged or refused;
+the Trainer's pieces that see one rank's shard (NEFTune's bound) and its resume skip."""
+
+import types
 
 import pytest
 import torch
@@ -6,8 +9,10 @@ from accelerate.parallelism_config import ParallelismConfig
 from accelerate.utils import DeepSpeedSequenceParallelConfig
 
 from ds_ulysses.config import UlyssesConfig
-from ds_ulysses.hf.trainer import _changed, _merge, _parallelism_config, skip_first_batches, sp_compute_loss
+from ds_ulysses.hf.trainer import (_changed, _merge, _parallelism_config, activate_neftune, skip_first_batches,
+                                   sp_compute_loss)
 from ds_ulysses.sp.data import UlyssesSPDataLoaderAdapter
+from tests.support.models import tiny_config, tiny_model
 
 
 def _pc(sp=2, **handler):
@@ -90,6 +95,32 @@ def test_resume_skips_into_the_adapter_and_leaves_other_loaders_to_accelerate():
     assert isinstance(resumed, UlyssesSPDataLoaderAdapter) and list(resumed) == []
 
 
+@pytest.mark.parametrize("sp", [2, 4])
+def test_neftune_bounds_a_shard_s_noise_by_the_whole_sequence_as_without_sp(sp):
+    """NEFTune adds U(-m, m) noise to the embeddings, m = alpha / sqrt(L * d) for L tokens of width d. Under SP
+    its hook sees a shard of L / sp tokens: Transformers' m is sqrt(sp) too large there, ours is the whole
+    sequence's (the noise's largest entry, over a shard's L / sp x d draws, lies within 1% of m)."""
+    from transformers.integrations.neftune import activate_neftune as transformers_activate
+
+    length, alpha = 64, 5.0
+    accelerator = types.SimpleNamespace(
+        unwrap_model=lambda m: m, parallelism_config=types.SimpleNamespace(sp_backend="deepspeed", sp_enabled=True,
+                                                                           sp_size=sp))
+    ids = torch.randint(0, 64, (1, length // sp), generator=torch.Generator().manual_seed(0))
+    biggest = {}
+    for name, activate in (("ours", lambda *a: activate_neftune(transformers_activate, *a)),
+                           ("transformers", transformers_activate)):
+        model = tiny_model(tiny_config("llama")).train()
+        embed = model.get_input_embeddings()
+        handle = activate(model, alpha, accelerator)
+        with torch.no_grad():
+            biggest[name] = (embed(ids) - embed.weight[ids]).abs().max().item()
+        handle.remove()
+    bound = alpha / (length * embed.embedding_dim) ** 0.5
+    assert 0.99 * bound <= biggest["ours"] <= bound
+    assert biggest["transformers"] > 0.99 * sp ** 0.5 * bound
+
+
 def test_install_points_accelerate_and_the_trainer_at_ds_ulysses_and_uninstall_restores_them():
     import deepspeed
     import transformers.trainer as trainer_module
@@ -102,7 +133,7 @@ def test_install_points_accelerate_and_the_trainer_at_ds_ulysses_and_uninstall_r
         return (deepspeed.initialize, ulysses_sp.UlyssesSPAttentionHF, ulysses_sp.UlyssesSPDataLoaderAdapter,
                 Accelerator.__init__, trainer_module.deepspeed_sp_compute_loss, trainer_module.skip_first_batches,
                 trainer_module.Trainer.train, trainer_module.Trainer.get_batch_samples,
-                trainer_module.Trainer.compute_loss)
+                trainer_module.Trainer.compute_loss, trainer_module.activate_neftune)
 
     before = current()
     ds_ulysses.install()
