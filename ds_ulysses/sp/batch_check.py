@@ -70,6 +70,7 @@ def check_batch(batch, vocab_size: int | None = None) -> None:
     mask = batch.get("attention_mask")
     if torch.is_tensor(mask):
         _check_attention_mask(mask)
+        _check_padding_unlabelled(mask, batch)
 
 
 def _check_ints(key, value, low, high, ignore) -> None:
@@ -102,6 +103,27 @@ def _check_attention_mask(mask: torch.Tensor) -> None:
             "the attention mask, so real tokens would attend to that padding; expected right padding "
             "(ones, then zeros) with labels -100 on the padding; fix: pad on the right, or pack documents "
             "with position_ids restarting at 0")
+
+
+def _check_padding_unlabelled(mask: torch.Tensor, batch) -> None:
+    """Without the mask, padding attends to padding: its own predictions differ from training without SP
+    (real tokens' do not), which is harmless only when every label a pad position predicts is -100."""
+    if mask.dim() != 2:
+        return
+    if "shift_labels" in batch:
+        predicted = batch["shift_labels"]
+    elif "labels" in batch:
+        predicted = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+    else:
+        return
+    learnt = (mask == 0) & (predicted != IGNORE_INDEX)
+    if bool(learnt.any()):
+        row, pos = (int(i) for i in learnt.nonzero()[0])
+        raise ValueError(
+            f"attention_mask marks token {pos} of row {row} as padding, but the label it predicts (the next "
+            f"token's) is {int(predicted[row, pos])}, not -100; Ulysses SP ignores the attention mask, so the "
+            "padding attends to padding and its predictions would differ from training without SP; expected "
+            "labels -100 on padding; fix: label pad tokens -100 (as DataCollatorForLanguageModeling does)")
 
 
 def first_error(errors: list) -> str | None:

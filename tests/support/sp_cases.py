@@ -15,11 +15,12 @@ from tests.support.models import VOCAB, rel_err, tiny_config, tiny_model
 
 
 def make_sample(seed: int, length: int, bs: int = 1, docs: list[int] | None = None,
-                mask_crossing: bool = True) -> dict:
+                mask_crossing: bool = True, right_pad: int = 0) -> dict:
     """input_ids/labels/position_ids; with ``docs`` the sample packs documents of those lengths.
 
     ``mask_crossing`` sets the label of each document's first token to -100, so no token is trained
-    to predict the next document (what a packing collator does).
+    to predict the next document (what a packing collator does). ``right_pad`` pads the last row's
+    end: an attention_mask with that many zeros, their labels -100 (what a padding collator does).
     """
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (bs, length), generator=g)
@@ -33,16 +34,24 @@ def make_sample(seed: int, length: int, bs: int = 1, docs: list[int] | None = No
         starts = torch.tensor(docs).cumsum(0)[:-1]
         if mask_crossing:
             labels[:, starts] = -100
-    return {"input_ids": ids, "labels": labels, "position_ids": pos}
+    sample = {"input_ids": ids, "labels": labels, "position_ids": pos}
+    if right_pad:
+        sample["attention_mask"] = torch.ones_like(ids)
+        sample["attention_mask"][-1, length - right_pad:] = 0
+        labels[-1, length - right_pad:] = -100
+    return sample
 
 
 def reference_loss(model, sample: dict) -> torch.Tensor:
-    """Token-mean loss of the row's labels, with every document of every row run alone."""
+    """Token-mean loss of the row's labels, with every document of every row run alone (under the
+    sample's attention_mask, when it has one)."""
     ids, labels, pos = sample["input_ids"], sample["labels"], sample["position_ids"]
+    mask = sample.get("attention_mask", torch.ones_like(ids))
     rows = []
     for row in range(ids.shape[0]):
         starts = [0] + [i for i in range(1, ids.shape[1]) if pos[row, i] != pos[row, i - 1] + 1] + [ids.shape[1]]
-        rows.append(torch.cat([model(input_ids=ids[row:row + 1, a:b], position_ids=pos[row:row + 1, a:b]).logits[0]
+        rows.append(torch.cat([model(input_ids=ids[row:row + 1, a:b], position_ids=pos[row:row + 1, a:b],
+                                     attention_mask=mask[row:row + 1, a:b]).logits[0]
                                for a, b in zip(starts[:-1], starts[1:])]))
     logits = torch.stack(rows)                                               # [bs sl V]
     target = F.pad(labels[:, 1:], (0, 1), value=-100)                        # [bs sl]
@@ -82,8 +91,8 @@ def _build(case: dict, world_size: int):
     base = tiny_model(cfg)
     bs = case.get("bs", 1)
     lens = case.get("lens", [case.get("length", 16)] * world_size)
-    samples = [make_sample(100 + k, lens[k], bs, case.get("docs"), case.get("mask_crossing", True))
-               for k in range(world_size)]
+    samples = [make_sample(100 + k, lens[k], bs, case.get("docs"), case.get("mask_crossing", True),
+                           case.get("right_pad", 0)) for k in range(world_size)]
     return base, samples, bs
 
 

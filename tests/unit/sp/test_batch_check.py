@@ -43,6 +43,12 @@ BAD_BATCHES = [
      "'position_ids' has a value out of range: expected >= 0, got -3"),
     ("left padding", _batch(attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1]] * 2)),
      "attention_mask has padding before real tokens"),
+    ("labelled padding", _batch(attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6]),
+                                labels=torch.tensor([[1, 2, 3, 4, -100, 7], [1] * 6])),
+     "attention_mask marks token 4 of row 0 as padding, but the label it predicts .* is 7, not -100"),
+    ("labelled padding, shifted", _batch(attention_mask=torch.tensor([[1, 1, 1, 0, 0, 0]] * 2), labels=None,
+                                         shift_labels=torch.tensor([[1, 2, -100, -100, 5, -100]] * 2)),
+     "marks token 4 of row 0 as padding, but the label it predicts .* is 5"),
 ]
 
 
@@ -56,5 +62,6 @@ def test_bad_batch_is_refused_with_its_reason(batch, phrase):
 
 
 def test_right_padding_and_broadcast_positions_are_accepted():
-    check_batch(_batch(attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6]),
+    labels = torch.tensor([[1, 2, 3, 4, 5, -100], [1] * 6])  # the label the pad at 5 predicts is appended: -100
+    check_batch(_batch(attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6]), labels=labels,
                        position_ids=torch.arange(6)[None]), VOCAB)
