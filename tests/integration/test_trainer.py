@@ -7,7 +7,8 @@ without SP (plain torch: the same model, samples and SGD steps; tests/support/tr
 - ``save_model`` under ZeRO-3 writes a model ``from_pretrained`` loads without SP or DeepSpeed;
 - resume from a checkpoint, in a second Trainer of the same process, reproduces the run;
 - a step of several micro-batches over DP replicas weights each labelled token as the Trainer without SP
-  does (``num_items_in_batch``), for both values of ``average_tokens_across_devices``;
+  does (``num_items_in_batch``), for both values of ``average_tokens_across_devices``; packed SFT
+  (Transformers' padding-free collator) trains as the same Trainer without SP;
 - what used to train plain data parallelism silently (``install()`` after the Trainer exists) fails on
   every rank naming the missing piece; switches that disagree are refused naming both values, and so
   are label smoothing and ``compute_loss_func``, which the SP loss would drop.
@@ -18,7 +19,7 @@ import torch
 
 from tests.support import trainer_cases as tc
 from tests.support.distributed import run_distributed
-from tests.support.models import rel_err
+from tests.support.models import rel_err, tiny_config, tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +72,20 @@ def test_a_step_weights_tokens_over_micro_batches_and_replicas_as_the_trainer_wi
             errors = tc.compare(logged, want[average])
             assert errors["loss"] <= 1e-5 and errors["update"] <= 1e-4, (average, errors)
             assert tc.compare(logged, sample_means)["update"] > 0.1  # the prompts make the weighting matter
+
+
+def test_packed_sft_trains_as_the_same_trainer_without_sp(tmp_path):
+    """Padding-free packing (Transformers' DataCollatorWithFlattening: 3 documents with -100 prompts per
+    micro-batch, position_ids restarting per document), 2 micro-batches per step, ZeRO-3: the Trainer at
+    sp 2 against the same Trainer on one process without SP, which attends within each document and
+    divides the step by its labelled tokens."""
+    (plain,) = run_distributed(tc.trainer_packed, 1, "none", str(tmp_path / "plain"), timeout=600)
+    start = {n: p.detach() for n, p in tiny_model(tiny_config("llama", heads=4, kv_heads=2)).named_parameters()}
+    want = {"losses": plain["logged"], "start": start, "update": {n: plain["params"][n] - p for n, p in start.items()}}
+    for res in run_distributed(tc.trainer_packed, 2, "section", str(tmp_path / "sp"), timeout=600):
+        assert res["sp"] == 2 and len(res["logged"]) == 2
+        errors = tc.compare({**res, "losses": res["logged"]}, want)
+        assert errors["loss"] <= 1e-5 and errors["update"] <= 1e-4, errors
 
 
 def test_sp_that_cannot_run_fails_on_every_rank_naming_the_missing_piece(tmp_path):

@@ -30,6 +30,19 @@ def samples(n: int, length: int = SEQ, seed: int = 0, prompts: bool = False) -> 
     return out
 
 
+def documents(n: int, seed: int = 0) -> list[dict]:
+    """``n`` documents of 3 to 19 tokens (lists, as a tokenized dataset holds them), each with a -100 prompt
+    of 0 to length - 2 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(3, 20, (1,), generator=g))
+        ids = torch.randint(0, VOCAB, (length,), generator=g).tolist()
+        prompt = int(torch.randint(0, length - 1, (1,), generator=g))
+        out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return out
+
+
 def _labelled(sample: dict) -> int:
     return int((sample["labels"][1:] != -100).sum())
 
@@ -101,15 +114,17 @@ def compare(result: dict, ref: dict) -> dict:
 def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: str, steps: int = 3,
                 evaluate: bool = False, save: bool = False, resume_from: str | None = None,
                 save_steps: int = 0, *, sp: int | None = None, gas: int = 1, average_tokens: bool = True,
-                prompts: bool = False) -> dict:
+                prompts: bool = False, packed: bool = False) -> dict:
     """A real Trainer with SP at ``sp`` (the world size by default), switched on by ``switch``: "section"
-    (the DeepSpeed config's "ulysses" section), "parallelism_config" (Transformers' documented path) or
-    "both"; ``gas`` micro-batches per step, ``average_tokens`` its ``average_tokens_across_devices``,
-    ``prompts`` samples with -100 prompts (see :func:`samples`). Returns the losses ``compute_loss`` gave,
-    the losses the Trainer logged per step, and the final parameters. Leaves ds_ulysses installed (a
+    (the DeepSpeed config's "ulysses" section), "parallelism_config" (Transformers' documented path),
+    "both", or "none" (the same Trainer without SP); ``gas`` micro-batches per step, ``average_tokens`` its
+    ``average_tokens_across_devices``, ``prompts`` samples with -100 prompts (see :func:`samples`),
+    ``packed`` micro-batches of 3 :func:`documents` packed by Transformers' padding-free
+    ``DataCollatorWithFlattening`` (position_ids restart per document). Returns the losses ``compute_loss``
+    gave, the losses the Trainer logged per step, and the final parameters. Leaves ds_ulysses installed (a
     second Trainer in the process registers over the first; the caller uninstalls)."""
     from accelerate.parallelism_config import ParallelismConfig
-    from transformers import Trainer, TrainingArguments
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     import ds_ulysses
     from examples.cpu_gloo import report_gloo_world
@@ -123,8 +138,9 @@ def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: st
     section = {"sequence_parallel_size": sp} if switch in ("section", "both") else None
     pc = (ParallelismConfig(sp_backend="deepspeed", sp_size=sp)
           if switch in ("parallelism_config", "both") else None)
+    micro = 3 if packed else 1
     args = TrainingArguments(
-        output_dir=out_dir, per_device_train_batch_size=1, per_device_eval_batch_size=1, max_steps=steps,
+        output_dir=out_dir, per_device_train_batch_size=micro, per_device_eval_batch_size=1, max_steps=steps,
         gradient_accumulation_steps=gas, average_tokens_across_devices=average_tokens,
         learning_rate=LR, optim="sgd", lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="steps" if save_steps else "no",
@@ -139,11 +155,14 @@ def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: st
                 losses.append(float(loss.detach()))
             return loss
 
-    data = samples(2 * steps * gas * world_size // sp, prompts=prompts)
-    trainer = Recording(model=model, args=args, train_dataset=data, eval_dataset=samples(4, seed=1))
+    micro_batches = 2 * steps * gas * world_size // sp
+    data = documents(micro * micro_batches) if packed else samples(micro_batches, prompts=prompts)
+    trainer = Recording(model=model, args=args, train_dataset=data, eval_dataset=samples(4, seed=1),
+                        data_collator=DataCollatorWithFlattening() if packed else None)
     trainer.train(resume_from_checkpoint=resume_from)
     out = {"losses": losses, "logged": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-           "params": full_params(trainer.model_wrapped), "sp": trainer.accelerator.parallelism_config.sp_size}
+           "params": full_params(trainer.model_wrapped),
+           "sp": getattr(trainer.accelerator.parallelism_config, "sp_size", 1)}
     if evaluate:
         out["eval_loss"] = trainer.evaluate()["eval_loss"]
     if save:
@@ -174,6 +193,16 @@ def trainer_token_weighting(rank: int, world_size: int, out_dir: str) -> dict:
             for stage, average in ((1, False), (3, True))}
     ds_ulysses.uninstall()
     return runs
+
+
+def trainer_packed(rank: int, world_size: int, switch: str, out_dir: str) -> dict:
+    """Packed SFT at ZeRO-3, 2 micro-batches of 3 documents per step, at sp = world size (``switch`` "none":
+    without SP)."""
+    import ds_ulysses
+
+    run = trainer_run(rank, world_size, 3, switch, out_dir, steps=2, gas=2, packed=True)
+    ds_ulysses.uninstall()
+    return run
 
 
 def trainer_refusals(rank: int, world_size: int, out_dir: str) -> dict:
