@@ -30,6 +30,9 @@ CASES = {
     "packed-batch2-sp4": (4, dict(family="qwen3", heads=8, kv_heads=4, bs=2, length=40, docs=[3, 17, 20])),
     "ragged-48-80-sp2": (2, dict(family="llama", heads=4, lens=[48, 80])),
     "right-padded-batch2-sp2": (2, dict(family="llama", heads=4, kv_heads=2, bs=2, length=24, right_pad=9)),
+    # torch.compile (the Trainer's torch_compile): dynamo and AOTAutograd trace the attention's all-to-alls;
+    # inductor gives the same on CPU (2026-11-27: grads 3.4e-7), too slowly compiled for make test
+    "compiled-aot-eager-sp2": (2, dict(family="llama", heads=4, kv_heads=2, length=32, compile="aot_eager")),
     "sliding-window-sp2": (2, dict(family="mistral", heads=4, kv_heads=2, length=40, extra={"sliding_window": 8})),
     "flash-standin-packed-sp2": (2, dict(family="llama", heads=4, kv_heads=2, attn="flash_attention_2",
                                          length=40, docs=[7, 13, 20])),

@@ -97,7 +97,8 @@ def _build(case: dict, world_size: int):
 
 
 def sp_vs_reference(rank: int, world_size: int, case: dict) -> dict:
-    """Train one step per SP micro-batch; compare loss and SP-summed grads to the unsharded model."""
+    """Train one step per SP micro-batch; compare loss and SP-summed grads to the unsharded model
+    (``case["compile"]``: the SP model run through ``torch.compile`` with that backend)."""
     base, samples, bs = _build(case, world_size)
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
     core = case.get("attn", "sdpa")
@@ -108,9 +109,10 @@ def sp_vs_reference(rank: int, world_size: int, case: dict) -> dict:
     enable_sp_loss(model, mpu.get_sequence_parallel_group())
     loader = UlyssesSPDataLoaderAdapter([samples[rank]], mpu.get_sequence_parallel_rank(),
                                         mpu.get_sequence_parallel_group(), world_size, "cpu")
+    run = torch.compile(model, backend=case["compile"]) if "compile" in case else model
     loss_errs, grad_errs = [], []
     for k, micro in enumerate(loader):
-        loss = model(**micro).loss
+        loss = run(**micro).loss
         loss.backward()
         ref.zero_grad()
         ref_loss = reference_loss(ref, samples[k])
