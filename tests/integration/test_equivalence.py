@@ -31,7 +31,7 @@ CASES = {
     "ragged-48-80-sp2": (2, dict(family="llama", heads=4, lens=[48, 80])),
     "right-padded-batch2-sp2": (2, dict(family="llama", heads=4, kv_heads=2, bs=2, length=24, right_pad=9)),
     # torch.compile (the Trainer's torch_compile): dynamo and AOTAutograd trace the attention's all-to-alls;
-    # inductor gives the same on CPU (2026-11-27: grads 3.4e-7), too slowly compiled for make test
+    # inductor gives the same on CPU (2026-11-27: grads 3.4e-7) but adds about 35 s of C++ builds on a cold cache
     "compiled-aot-eager-sp2": (2, dict(family="llama", heads=4, kv_heads=2, length=32, compile="aot_eager")),
     "sliding-window-sp2": (2, dict(family="mistral", heads=4, kv_heads=2, length=40, extra={"sliding_window": 8})),
     "flash-standin-packed-sp2": (2, dict(family="llama", heads=4, kv_heads=2, attn="flash_attention_2",
