@@ -99,7 +99,8 @@ def test_resume_skips_into_the_adapter_and_leaves_other_loaders_to_accelerate():
 def test_neftune_bounds_a_shard_s_noise_by_the_whole_sequence_as_without_sp(sp):
     """NEFTune adds U(-m, m) noise to the embeddings, m = alpha / sqrt(L * d) for L tokens of width d. Under SP
     its hook sees a shard of L / sp tokens: Transformers' m is sqrt(sp) too large there, ours is the whole
-    sequence's (the noise's largest entry, over a shard's L / sp x d draws, lies within 1% of m)."""
+    sequence's (the noise's largest entry, over a shard's L / sp x d >= 512 draws, lies within 5% of m:
+    below 0.95 m with probability 0.95^512 < 1e-11)."""
     from transformers.integrations.neftune import activate_neftune as transformers_activate
 
     length, alpha = 64, 5.0
@@ -113,12 +114,13 @@ def test_neftune_bounds_a_shard_s_noise_by_the_whole_sequence_as_without_sp(sp):
         model = tiny_model(tiny_config("llama")).train()
         embed = model.get_input_embeddings()
         handle = activate(model, alpha, accelerator)
-        with torch.no_grad():
+        with torch.random.fork_rng(), torch.no_grad():
+            torch.manual_seed(0)
             biggest[name] = (embed(ids) - embed.weight[ids]).abs().max().item()
         handle.remove()
     bound = alpha / (length * embed.embedding_dim) ** 0.5
-    assert 0.99 * bound <= biggest["ours"] <= bound
-    assert biggest["transformers"] > 0.99 * sp ** 0.5 * bound
+    assert 0.95 * bound <= biggest["ours"] <= bound
+    assert biggest["transformers"] > 0.95 * sp ** 0.5 * bound
 
 
 def test_install_points_accelerate_and_the_trainer_at_ds_ulysses_and_uninstall_restores_them():
