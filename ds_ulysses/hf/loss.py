@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import weakref
 
+import torch
 import torch.nn.functional as F
 
 from ..constants import IGNORE_INDEX
@@ -130,6 +131,8 @@ def enable_sp_loss(model, group=None, grad_scale: float = 1.0, loss_fn=None, wat
         if shift_labels is None:
             return original(*args, **kwargs)
         kwargs.pop("labels", None)  # shift_labels are these labels already shifted (and sharded): they win
+        if kwargs.get("fused_lm_head"):
+            return _fused_head_loss(model, original, args, kwargs, shift_labels, state)
         if state["loss_fn"] is not None:
             return state["loss_fn"](model, args, kwargs, shift_labels, state["group"], state["grad_scale"])
         outputs = original(*args, **kwargs)
@@ -139,6 +142,27 @@ def enable_sp_loss(model, group=None, grad_scale: float = 1.0, loss_fn=None, wat
 
     PATCHES.set_attr(model, "_ulysses_loss", state, _TAG, owner=model)
     PATCHES.set_attr(model, "forward", forward, _TAG, owner=model)
+
+
+def _fused_head_loss(model, original, args, kwargs, shift_labels, state):
+    """A forward asked for TRL's fused LM head (``fused_lm_head=True``: ``trl.trainer.utils.add_fused_lm_head``,
+    what TRL's ``SFTTrainer`` trains with). That head scores pre-shifted ``shift_labels`` itself, without
+    the whole logits, and returns per-token ``log_probs`` (0 where ignored) and ``label_mask`` besides a
+    loss that is this shard's own token mean; the SP loss is the sample's global token mean of the same
+    log-probs. TRL's fields (accuracy, entropy) stay per token, so its metrics are whole-sample ones."""
+    vocab = vocab_size(model, output=True)
+    labels, bad = mask_bad_labels(shift_labels, vocab)
+    outputs = original(*args, shift_labels=labels, **kwargs)
+    log_probs, mask = getattr(outputs, "log_probs", None), getattr(outputs, "label_mask", None)
+    if not torch.is_tensor(log_probs) or not torch.is_tensor(mask):
+        raise ValueError(
+            f"the model's forward took fused_lm_head=True but returned {type(outputs).__name__} without per-token "
+            "'log_probs' and 'label_mask' tensors; expected TRL's fused LM head output (FusedCausalLMOutput), whose "
+            "per-token log-probs the SP loss reduces over the SP group; fix: add the head with "
+            "trl.trainer.utils.add_fused_lm_head, or call the model without fused_lm_head")
+    counts = TokenCounts(int(mask.sum()), int(bad), state["group"], state["grad_scale"], vocab, state["watch"])
+    outputs.loss = GlobalTokenMean.apply(-log_probs.sum(), counts)
+    return outputs
 
 
 def disable_sp_loss(model) -> None:

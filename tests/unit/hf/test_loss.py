@@ -29,3 +29,36 @@ def test_a_router_load_balancing_loss_is_refused():
     with pytest.raises(ValueError, match="output_router_logits=True: the model adds a router load-balancing loss.*"
                                          "fix: set config.output_router_logits = False"):
         enable_sp_loss(model)
+
+
+@pytest.mark.parametrize("loss_fn", [None, tiled_causal_lm_loss(3)], ids=["logits", "tiled"])
+def test_trls_fused_head_trains_on_its_log_probs_with_its_fields_kept(loss_fn):
+    """TRL's SFTTrainer calls the model with ``fused_lm_head=True`` (``add_fused_lm_head``: per-token
+    log-probs, no logits): the SP loss is their token mean whatever loss_fn is set, gradients included, and
+    TRL's per-token fields stay for its metrics."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = tiny_model(tiny_config("cohere", logit_scale=0.5))
+    ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+    shift = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+    shift[:, :4] = -100  # a prompt
+    want = F.cross_entropy(model(input_ids=ids).logits.flatten(0, 1), shift.flatten(), ignore_index=-100)
+    want_grads = torch.autograd.grad(want, list(model.parameters()))
+    add_fused_lm_head(model, outputs=("log_probs", "is_top1"))
+    enable_sp_loss(model, loss_fn=loss_fn)
+    out = model(input_ids=ids, shift_labels=shift, fused_lm_head=True)
+    assert out.label_mask.tolist() == (shift != -100).tolist() and out.is_top1 is not None
+    assert rel_err(out.loss, want) <= 1e-6
+    for got, grad in zip(torch.autograd.grad(out.loss, list(model.parameters())), want_grads):
+        assert rel_err(got, grad) <= 1e-5
+
+
+def test_a_fused_head_request_without_per_token_log_probs_is_refused():
+    model = tiny_model(tiny_config("llama"))
+    plain = model.forward
+    model.forward = lambda *args, fused_lm_head=False, **kwargs: plain(*args, **kwargs)
+    enable_sp_loss(model)
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="took fused_lm_head=True but returned CausalLMOutputWithPast without "
+                                         "per-token 'log_probs' and 'label_mask'"):
+        model(input_ids=ids, shift_labels=ids, fused_lm_head=True)
