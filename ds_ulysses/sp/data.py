@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 from collections import deque
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,8 @@ import torch.distributed as dist
 from ..constants import IGNORE_INDEX
 from ..distributed.collectives import all_gather_bytes, collective_device
 from ..distributed.watch import GroupWatch
-from .batch_check import check_batch, first_error
+from .batch_check import check_batch, first_error, is_int_tensor
+from .packed import find_documents
 from .shards import SHARDS
 
 __all__ = ["UlyssesSPDataLoaderAdapter", "prepare_sample"]
@@ -45,6 +47,7 @@ def prepare_sample(batch: dict, sp_world_size: int, pad_to_multiple: bool = True
     With ``vocab_size``, token ids and labels are range-checked here, where the sample is known,
     rather than failing inside an embedding or the loss on one rank.
     """
+    batch = varlen_as_positions(batch)
     check_batch(batch, vocab_size)
     batch = dict(batch)
     bs, sl = batch["input_ids"].shape
@@ -71,6 +74,62 @@ def prepare_sample(batch: dict, sp_world_size: int, pad_to_multiple: bool = True
             tail = value.new_full((value.shape[0], pad, *value.shape[2:]), fill)
             batch[key] = torch.cat([value, tail], dim=1)
     return batch
+
+
+# Transformers' varlen attention kwargs (DataCollatorWithFlattening(return_flash_attn_kwargs=True), TRL's
+# padding-free and packing collators): the document boundaries of one flattened row, padding included
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def varlen_as_positions(batch):
+    """``batch`` without :data:`VARLEN_KEYS`, its documents carried by position_ids alone.
+
+    The offsets describe the whole row: no shard can use them, and they stop matching it once the
+    adapter pads it. Position_ids carry the same documents (the SP attention finds them there, as
+    Transformers' sdpa masks do without SP), so the offsets are dropped once position_ids are checked
+    to restart exactly at them, or become position_ids when the batch has none. A batch where the two
+    disagree is refused: which one the attention follows without SP depends on its kernel.
+    """
+    if not isinstance(batch, Mapping) or not any(k in batch for k in VARLEN_KEYS):
+        return batch
+    out = {k: v for k, v in batch.items() if k not in VARLEN_KEYS}
+    offsets, ids = _varlen_offsets(batch), out.get("input_ids")
+    if offsets is None or not torch.is_tensor(ids) or ids.dim() != 2 or ids.numel() == 0:
+        return out  # check_batch names what is wrong with input_ids
+    bs, sl = ids.shape
+    if bs != 1 or offsets[0] != 0 or offsets[-1] != sl or bool((offsets.diff() < 0).any()):
+        raise ValueError(
+            f"the varlen offsets {offsets.tolist()} must be those of one packed row, rising from 0 to its {sl} "
+            f"tokens; got input_ids of shape {[bs, sl]}; expected [1, sl] with offsets [0, ..., {sl}]; fix: pack "
+            "with a padding-free collator (one row per batch), or leave the offsets out")
+    lengths = offsets.diff()
+    starts = offsets[:-1][lengths > 0].tolist()
+    given = out.get("position_ids")
+    if given is None:
+        out["position_ids"] = torch.cat([torch.arange(int(n)) for n in lengths[lengths > 0]]).view(1, sl)  # [1 sl]
+    elif torch.is_tensor(given) and given.shape == (1, sl) and is_int_tensor(given):
+        restarts = [start for _, start, _ in find_documents(given).spans]
+        if restarts != starts:
+            raise ValueError(
+                f"the varlen offsets put documents at {starts} but position_ids restart at {restarts}; expected the "
+                "two to agree (flash attention follows the offsets, sdpa the positions); fix: build both from the "
+                "same document lengths, or leave the offsets out")
+    return out
+
+
+def _varlen_offsets(batch) -> torch.Tensor | None:
+    """The batch's ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (one, or both equal), as int64 on CPU."""
+    given = {k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k") if k in batch}
+    for key, value in given.items():
+        if not torch.is_tensor(value) or value.dim() != 1 or not is_int_tensor(value):
+            got = f"{value.dtype} {list(value.shape)}" if torch.is_tensor(value) else type(value).__name__
+            raise ValueError(f"'{key}' must be a 1-D integer tensor of document offsets [0, ..., sl]; got {got}; "
+                             "fix: build it as Transformers' DataCollatorWithFlattening does, or leave it out")
+    if len(given) == 2 and not torch.equal(given["cu_seq_lens_q"].cpu(), given["cu_seq_lens_k"].cpu()):
+        raise ValueError(f"'cu_seq_lens_q' {given['cu_seq_lens_q'].tolist()} and 'cu_seq_lens_k' "
+                         f"{given['cu_seq_lens_k'].tolist()} differ; expected one set of documents (a causal LM "
+                         "attends within its own sequence); fix: give both the same offsets")
+    return next(iter(given.values())).cpu().long() if given else None
 
 
 class UlyssesSPDataLoaderAdapter:

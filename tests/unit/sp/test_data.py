@@ -92,6 +92,40 @@ def test_missing_input_ids_raise():
         prepare_sample({"tokens": torch.ones(1, 6)}, 2)
 
 
+def _flattened(**flags):
+    """Three documents packed by Transformers' padding-free collator."""
+    from transformers import DataCollatorWithFlattening
+
+    docs = [{"input_ids": list(range(10, 10 + n)), "labels": list(range(10, 10 + n))} for n in (3, 1, 4)]
+    return DataCollatorWithFlattening(return_tensors="pt", **flags)(docs)
+
+
+def test_varlen_offsets_become_the_collators_own_position_ids():
+    """The collator's ``cu_seq_lens_*`` / ``max_length_*`` (flash attention's view of the whole row) are
+    dropped; the documents they describe are the position_ids the collator makes itself, padded on."""
+    positions = _flattened()["position_ids"]  # [[0 1 2 0 0 1 2 3]]
+    for flags in ({"return_flash_attn_kwargs": True}, {"return_flash_attn_kwargs": True, "return_position_ids": False}):
+        out = prepare_sample(_flattened(**flags), 3)
+        assert sorted(out) == ["input_ids", "position_ids", "shift_labels"], flags
+        assert out["position_ids"][:, :8].tolist() == positions.tolist(), flags
+        assert out["position_ids"][:, 8:].tolist() == [[4]]  # the pad continues the last document
+
+
+def test_varlen_offsets_that_disagree_with_the_row_are_refused():
+    batch = _flattened(return_flash_attn_kwargs=True)
+    with pytest.raises(ValueError, match=r"the varlen offsets put documents at \[0, 3, 4\] but position_ids restart "
+                                         r"at \[0, 4\].*build both from the same document lengths"):
+        prepare_sample({**batch, "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])}, 2)
+    with pytest.raises(ValueError, match=r"'cu_seq_lens_q' \[0, 3, 8\] and 'cu_seq_lens_k' \[0, 3, 4, 8\] differ"):
+        prepare_sample({**batch, "cu_seq_lens_q": torch.tensor([0, 3, 8])}, 2)
+    with pytest.raises(ValueError, match=r"offsets \[0, 3, 4, 8\] must be those of one packed row.*"
+                                         r"got input_ids of shape \[2, 8\]"):
+        prepare_sample({k: torch.cat([v, v]) if k in ("input_ids", "labels", "position_ids") else v
+                        for k, v in batch.items()}, 2)
+    with pytest.raises(ValueError, match="'cu_seq_lens_k' must be a 1-D integer tensor"):
+        prepare_sample({**batch, "cu_seq_lens_k": [0, 3, 4, 8]}, 2)
+
+
 def _mismatch(rank, world_size):
     group = dist.new_group([0, 1])
     dtype = torch.long if rank == 0 else torch.int32
