@@ -289,3 +289,70 @@ def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: i
             out["eval_on_shards"] = str(err)
     ds_ulysses.uninstall()
     return out
+
+
+def word_tokenizer():
+    """A tokenizer over the tiny vocabulary (one word per id, built here: nothing is downloaded)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="t0", unk_token="t1", eos_token="t2")
+
+
+def completions(n: int, seed: int = 0) -> list[dict]:
+    """``n`` tokenized prompt-completion samples of 6 to 29 tokens, as TRL's dataset preparation leaves them:
+    ``input_ids`` and a ``completion_mask`` that is 0 over a prompt of 1 to length - 3 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(6, 30, (1,), generator=g))
+        prompt = int(torch.randint(1, length - 2, (1,), generator=g))
+        out.append({"input_ids": torch.randint(3, VOCAB, (length,), generator=g).tolist(),
+                    "completion_mask": [0] * prompt + [1] * (length - prompt)})
+    return out
+
+
+def sft_trainer_run(rank: int, world_size: int, stage: int, out_dir: str, sp: bool, packing: bool) -> dict:
+    """TRL's SFTTrainer on :func:`completions` (loss on the completions only), 2 samples per micro-batch, 2
+    micro-batches per step, 2 steps: with SP at sp = world size switched on by the section (``install()``
+    first), or without SP. ``packing``: TRL's best-fit packing into rows of at most 64 tokens, fed by its
+    padding-free collator (one flattened row per micro-batch with varlen offsets ``cu_seq_lens_*``,
+    position_ids restarting per document), LoRA adapters from PEFT on the attention and MLP projections,
+    gradient checkpointing and, with SP, the tiled MLP, checkpoint offload and the tiled loss. Returns the
+    logged losses and the trainable parameters before and after training."""
+    import datasets
+    from deepspeed.utils import safe_get_full_fp32_param
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    import ds_ulysses
+    from examples.cpu_gloo import report_gloo_world
+
+    report_gloo_world()
+    section = None
+    if sp:
+        ds_ulysses.install()
+        section = {"sequence_parallel_size": world_size}
+        if packing:
+            section.update(tiled_mlp={"enabled": True, "shards": 2}, activation_checkpoint_offload={"enabled": True},
+                           tiled_loss={"enabled": True, "shards": 2})
+    model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
+                      lora_dropout=0.0, task_type="CAUSAL_LM") if packing else None
+    args = SFTConfig(
+        output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
+        learning_rate=LR, optim="sgd", lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no", train_sampling_strategy="sequential",
+        deepspeed=ds_config(stage, section), seed=0, dataloader_num_workers=0, disable_tqdm=True, bf16=False,
+        completion_only_loss=True, packing=packing, max_length=64 if packing else None,
+        pad_to_multiple_of=world_size if sp else None, gradient_checkpointing=packing)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(completions(48)),
+                         processing_class=word_tokenizer(), peft_config=lora)
+    start = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    ds_ulysses.uninstall()
+    params = {n: safe_get_full_fp32_param(p).detach().clone()
+              for n, p in trainer.model_wrapped.module.named_parameters() if p.requires_grad}
+    return {"logged": [h["loss"] for h in trainer.state.log_history if "loss" in h], "start": start,
+            "params": params}

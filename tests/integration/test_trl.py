@@ -1,0 +1,30 @@
+"""TRL's SFTTrainer with Ulysses SP at sp 2 on 2 gloo ranks against the same SFTTrainer on one process
+without SP (tests/support/trainer_cases.py).
+
+SFTTrainer trains through its fused LM head (``fused_lm_head=True``: per-token log-probs, no logits); the
+SP loss is that head's global token mean. Prompt-completion samples (loss on completions only), 2
+micro-batches per step: the logged losses (rel 1e-5) and the update of every trainable parameter, the sum of
+its gradients (rel 1e-4). The second case packs (TRL's padding-free collator, whose varlen offsets
+``cu_seq_lens_*`` the adapter turns into position_ids; DeepSpeed's adapter raises on them) and trains PEFT
+LoRA adapters with every ALST switch on.
+"""
+
+import pytest
+
+from tests.support import trainer_cases as tc
+from tests.support.distributed import run_distributed
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("stage,packing", [(1, False), (3, True)], ids=["padded-zero1", "packed-lora-zero3-alst"])
+def test_sft_trainer_trains_as_the_same_sft_trainer_without_sp(stage, packing, tmp_path):
+    (plain,) = run_distributed(tc.sft_trainer_run, 1, stage, str(tmp_path / "plain"), False, packing, timeout=600)
+    assert any("lora_B" in n for n in plain["start"]) == packing
+    want = {"losses": plain["logged"], "start": plain["start"],
+            "update": {n: plain["params"][n] - p for n, p in plain["start"].items()}}
+    for res in run_distributed(tc.sft_trainer_run, 2, stage, str(tmp_path / "sp"), True, packing, timeout=600):
+        assert len(res["logged"]) == 2 and sorted(res["start"]) == sorted(plain["start"])
+        assert all(res["start"][n].equal(p) for n, p in plain["start"].items())
+        errors = tc.compare({**res, "losses": res["logged"]}, want)
+        assert errors["loss"] <= 1e-5 and errors["update"] <= 1e-4, errors
