@@ -103,7 +103,8 @@ def check_loss_complete(model) -> None:
             "output_router_logits=True: the model adds a router load-balancing loss computed from the routing "
             "statistics of the whole sequence, which each SP rank sees only a shard of, and the SP loss (the "
             "token cross-entropy) would drop it; fix: set config.output_router_logits = False (no auxiliary "
-            "loss), or train this model without sequence parallelism")
+            "loss; TRL's SFTTrainer sets it from its router_aux_loss_coef: pass router_aux_loss_coef=0.0 in "
+            "SFTConfig), or train this model without sequence parallelism")
 
 
 def enable_sp_loss(model, group=None, grad_scale: float = 1.0, loss_fn=None, watch: GroupWatch | None = None) -> None:
