@@ -29,6 +29,7 @@ from ..config import attn_implementations
 from ..distributed import HeadLayout, HeadsToSeq, SeqToHeads
 from ..distributed.collectives import collective_device
 from ..distributed.watch import GroupWatch
+from .batch_check import VARLEN_KEYS
 from .forward_check import ForwardFacts, PositionCheck, Problem, ShardCheck, check_forward, check_positions
 from .heads import HeadPlan, plan_heads
 from .packed import find_documents, packed_attention
@@ -122,12 +123,13 @@ class UlyssesAttention(torch.nn.Module):
         self._forward_state = None
 
     # -- once per model forward -----------------------------------------------------------------
-    def _gather_positions(self, given, query: torch.Tensor, key: torch.Tensor):
+    def _gather_positions(self, given, query: torch.Tensor, key: torch.Tensor, varlen: bool = False):
         """Global position_ids and every rank's shard length, gathered once per model forward.
 
         Every layer receives the very same position_ids tensor, so the first layer gathers and the
         others (and gradient-checkpointing recomputes) reuse it. The first gather also carries each
-        rank's check of its inputs, so every rank raises the same error or none does.
+        rank's check of its inputs (``varlen``: the call carries a batch's varlen offsets), so every rank
+        raises the same error or none does.
         """
         state = self._forward_state
         if state is not None and given is not None and state[0] is given and state[1] == given._version:
@@ -139,6 +141,8 @@ class UlyssesAttention(torch.nn.Module):
             positions = self.input_verdict
         elif self.input_verdict is not None and given is None:
             positions = PositionCheck(Problem.NOT_FORWARDED)
+        if varlen and positions.ok:
+            positions = PositionCheck(Problem.VARLEN_OFFSETS)
         self.input_verdict = None
         shard, self.shard_verdict = self.shard_verdict, ShardCheck()
         device = collective_device(self.process_group)
@@ -184,7 +188,8 @@ class UlyssesAttention(torch.nn.Module):
         if self.world_size == 1 or (self.disable_in_eval and not module.training):
             return self.attn(module, query, key, value, attention_mask, *rest, **kwargs)
         hc, hc_kv = query.shape[1], key.shape[1]
-        state = self._gather_positions(kwargs.get("position_ids"), query, key)
+        varlen = any(kwargs.get(name) is not None for name in VARLEN_KEYS)
+        state = self._gather_positions(kwargs.get("position_ids"), query, key, varlen)
         seq_lens = state.seq_lens
         if self.sliding_layers and kwargs.get("sliding_window") is None:
             self._check_window_passed(module)

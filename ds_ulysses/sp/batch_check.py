@@ -17,6 +17,11 @@ from ..constants import IGNORE_INDEX
 __all__ = ["check_batch", "first_error", "is_int_tensor"]
 
 
+# Transformers' varlen attention kwargs (DataCollatorWithFlattening(return_flash_attn_kwargs=True), TRL's
+# padding-free and packing collators): the document boundaries of one flattened, unsharded row
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
 def is_int_tensor(t: torch.Tensor) -> bool:
     return not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
 

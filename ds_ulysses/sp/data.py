@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..constants import IGNORE_INDEX
 from ..distributed.collectives import all_gather_bytes, collective_device
 from ..distributed.watch import GroupWatch
-from .batch_check import check_batch, first_error, is_int_tensor
+from .batch_check import VARLEN_KEYS, check_batch, first_error, is_int_tensor
 from .packed import find_documents
 from .shards import SHARDS
 
@@ -74,11 +74,6 @@ def prepare_sample(batch: dict, sp_world_size: int, pad_to_multiple: bool = True
             tail = value.new_full((value.shape[0], pad, *value.shape[2:]), fill)
             batch[key] = torch.cat([value, tail], dim=1)
     return batch
-
-
-# Transformers' varlen attention kwargs (DataCollatorWithFlattening(return_flash_attn_kwargs=True), TRL's
-# padding-free and packing collators): the document boundaries of one flattened row, padding included
-VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def varlen_as_positions(batch):

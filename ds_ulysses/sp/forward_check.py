@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch_check import first_error, is_int_tensor
+from .batch_check import VARLEN_KEYS, first_error, is_int_tensor
 
 __all__ = ["Problem", "PositionCheck", "ShardStatus", "ShardCheck", "ForwardFacts", "check_positions",
            "check_forward"]
@@ -45,6 +45,7 @@ class Problem(enum.IntEnum):
     POSITIONS_SHAPE = 3
     NEGATIVE_POSITIONS = 4
     NOT_FORWARDED = 5      # the model call had position_ids, its attention call none
+    VARLEN_OFFSETS = 6     # the attention call carries a batch's varlen offsets (cu_seq_lens_*, max_length_*)
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,12 @@ def _problem_message(facts: ForwardFacts) -> str:
                 "modules do not pass them on, so SP cannot tell where each token sits in the whole sequence (or "
                 "where packed documents start); expected position_ids in the attention call's kwargs; fix: train "
                 "this model without sequence parallelism")
+    if pos.problem == Problem.VARLEN_OFFSETS:
+        return (f"the attention call carries flash attention's varlen offsets ({', '.join(VARLEN_KEYS)}) from the "
+                "batch: they place the documents of the whole unsharded row, which neither a shard nor the "
+                "gathered, padded sequence matches, so a varlen kernel would attend over the wrong spans; expected "
+                "the documents in position_ids only; fix: feed the batches of UlyssesSPDataLoaderAdapter (it turns "
+                "the offsets into position_ids), or drop the offsets from the batch")
     if pos.problem == Problem.NO_POSITIONS:
         return ("Ulysses SP needs position_ids in the model call (each rank's positions within the whole "
                 "sequence); got none; fix: pass the batch from UlyssesSPDataLoaderAdapter, or position_ids = "

@@ -111,6 +111,12 @@ def _sc_pos_negative(rank, group):
     _sp_model(rank, group)(input_ids=ids, position_ids=pos - 10 if rank == 0 else pos)
 
 
+def _sc_varlen_offsets(rank, group):
+    ids, pos = _shard(rank)
+    offsets = torch.tensor([0, 8]) if rank == 1 else None  # the whole row's, from a padding-free collator
+    _sp_model(rank, group)(input_ids=ids, position_ids=pos, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets)
+
+
 def _sc_batch_sizes(rank, group):
     ids, pos = _shard(rank, bs=2 if rank == 0 else 1)
     _sp_model(rank, group)(input_ids=ids, position_ids=pos)
@@ -182,6 +188,8 @@ SCENARIOS = {
     "pos_shape": (_sc_pos_shape, r"SP rank 1: position_ids must have shape \[bs, sl_l\] = \[1, 4\] or \[1, 4\], "
                                  r"got \[1, 3\]"),
     "pos_negative": (_sc_pos_negative, "SP rank 0: position_ids must be >= 0, got -10"),
+    "varlen_offsets": (_sc_varlen_offsets, r"SP rank 1: the attention call carries flash attention's varlen "
+                                           r"offsets \(cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k\)"),
     "batch_sizes": (_sc_batch_sizes, r"SP ranks disagree on the batch size: per SP rank \[2, 1\]"),
     "dtypes": (_sc_dtypes, r"SP ranks disagree on the attention dtype: per SP rank \['float32', 'float64'\]"),
     "fixed_length": (_sc_fixed_length, "seq_length_is_variable is false with seq_length=32, but this forward's "
