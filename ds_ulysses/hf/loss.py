@@ -113,17 +113,21 @@ def enable_sp_loss(model, group=None, grad_scale: float = 1.0, loss_fn=None, wat
     ``loss_fn(model, args, kwargs, shift_labels, group, grad_scale) -> outputs`` replaces the default
     (logits -> :func:`~ds_ulysses.sp.loss.sp_loss_from_logits`), e.g. :func:`tiled_causal_lm_loss`.
     ``watch`` (the mesh's ``sp_watch``) names the group and step if the loss all_reduce fails.
-    Idempotent: enabling again updates group and scale. Undone by :func:`disable_sp_loss` or
+    Idempotent: enabling again updates group and scale, and wraps ``forward`` again only if something
+    replaced it since (TRL's SFTTrainer sets a fused-head ``forward`` on the model each time one is
+    created; over ours, it would compute the shard's own loss). Undone by :func:`disable_sp_loss` or
     ``ds_ulysses.uninstall``.
     """
     check_loss_complete(model)
     if loss_fn is not None and hasattr(loss_fn, "prepare"):
         loss_fn.prepare(model)  # a loss_fn that must know the model learns it now, so refusals come at setup
     state = model.__dict__.get("_ulysses_loss")
-    if state is not None:
-        state.update(group=group, grad_scale=grad_scale, loss_fn=loss_fn, watch=watch)
+    if state is None:
+        state = {}
+        PATCHES.set_attr(model, "_ulysses_loss", state, _TAG, owner=model)
+    state.update(group=group, grad_scale=grad_scale, loss_fn=loss_fn, watch=watch)
+    if state.get("forward") is not None and model.__dict__.get("forward") is state["forward"]:
         return
-    state = {"group": group, "grad_scale": grad_scale, "loss_fn": loss_fn, "watch": watch}
     original = model.forward
 
     @functools.wraps(original)
@@ -141,7 +145,7 @@ def enable_sp_loss(model, group=None, grad_scale: float = 1.0, loss_fn=None, wat
                                            watch=state["watch"])
         return outputs
 
-    PATCHES.set_attr(model, "_ulysses_loss", state, _TAG, owner=model)
+    state["forward"] = forward
     PATCHES.set_attr(model, "forward", forward, _TAG, owner=model)
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_ulysses import enable_sp_loss, tiled_causal_lm_loss
+from ds_ulysses.hf.loss import disable_sp_loss
 from tests.support.models import rel_err, tiny_config, tiny_model
 
 
@@ -62,3 +63,28 @@ def test_a_fused_head_request_without_per_token_log_probs_is_refused():
     with pytest.raises(ValueError, match="took fused_lm_head=True but returned CausalLMOutputWithPast without "
                                          "per-token 'log_probs' and 'label_mask'"):
         model(input_ids=ids, shift_labels=ids, fused_lm_head=True)
+
+
+def test_a_forward_set_over_the_sp_loss_is_wrapped_again_when_it_is_enabled_again():
+    """A second SFTTrainer on the same model adds TRL's fused head over our wrapper, and that head
+    computes the shard's own loss; enabling the SP loss again (the second engine) wraps it again.
+    ``grad_scale`` 2 shows whose backward ran: only the SP loss scales the gradient."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = tiny_model(tiny_config("llama"))
+    ids = torch.randint(0, 100, (1, 10), generator=torch.Generator().manual_seed(0))
+    shift = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+    want = torch.autograd.grad(F.cross_entropy(model(input_ids=ids).logits.flatten(0, 1), shift.flatten()),
+                               model.lm_head.weight)[0]
+    add_fused_lm_head(model)
+    first_head = vars(model)["forward"]
+    enable_sp_loss(model, grad_scale=2.0)
+    add_fused_lm_head(model)  # the second trainer
+    enable_sp_loss(model, grad_scale=2.0)
+    wrapped = model.forward
+    enable_sp_loss(model, grad_scale=2.0)  # nothing replaced it since: kept
+    assert model.forward is wrapped
+    loss = model(input_ids=ids, shift_labels=shift, fused_lm_head=True).loss
+    assert rel_err(torch.autograd.grad(loss, model.lm_head.weight)[0], 2 * want) <= 1e-5
+    disable_sp_loss(model)  # back to the forward from before the first enable
+    assert vars(model)["forward"] is first_head
