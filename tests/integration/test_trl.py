@@ -3,10 +3,10 @@ without SP (tests/support/trainer_cases.py).
 
 SFTTrainer trains through its fused LM head (``fused_lm_head=True``: per-token log-probs, no logits); the
 SP loss is that head's global token mean. Prompt-completion samples (loss on completions only), 2
-micro-batches per step: the logged losses (rel 1e-5) and the update of every trainable parameter, the sum of
-its gradients (rel 1e-4). The second case packs (TRL's padding-free collator, whose varlen offsets
-``cu_seq_lens_*`` the adapter turns into position_ids; DeepSpeed's adapter raises on them) and trains PEFT
-LoRA adapters with every ALST switch on.
+micro-batches per step: the logged losses (rel 1e-5), the update of every trainable parameter, the sum of
+its gradients (rel 1e-4), and the eval loss after training (rel 1e-5). The second case packs (TRL's
+padding-free collator, whose varlen offsets ``cu_seq_lens_*`` the adapter turns into position_ids;
+DeepSpeed's adapter raises on them) and trains PEFT LoRA adapters with every ALST switch on.
 """
 
 import pytest
@@ -28,3 +28,4 @@ def test_sft_trainer_trains_as_the_same_sft_trainer_without_sp(stage, packing, t
         assert all(res["start"][n].equal(p) for n, p in plain["start"].items())
         errors = tc.compare({**res, "losses": res["logged"]}, want)
         assert errors["loss"] <= 1e-5 and errors["update"] <= 1e-4, errors
+        assert abs(res["eval_loss"] - plain["eval_loss"]) <= 1e-5 * plain["eval_loss"]

@@ -320,7 +320,8 @@ def sft_trainer_run(rank: int, world_size: int, stage: int, out_dir: str, sp: bo
     padding-free collator (one flattened row per micro-batch with varlen offsets ``cu_seq_lens_*``,
     position_ids restarting per document), LoRA adapters from PEFT on the attention and MLP projections,
     gradient checkpointing and, with SP, the tiled MLP, checkpoint offload and the tiled loss. Returns the
-    logged losses and the trainable parameters before and after training."""
+    logged losses, the trainable parameters before and after training, and the eval loss after it (the
+    Trainer evaluates whole samples without SP)."""
     import datasets
     from deepspeed.utils import safe_get_full_fp32_param
     from peft import LoraConfig
@@ -346,13 +347,15 @@ def sft_trainer_run(rank: int, world_size: int, stage: int, out_dir: str, sp: bo
         max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no", train_sampling_strategy="sequential",
         deepspeed=ds_config(stage, section), seed=0, dataloader_num_workers=0, disable_tqdm=True, bf16=False,
         completion_only_loss=True, packing=packing, max_length=64 if packing else None,
-        pad_to_multiple_of=world_size if sp else None, gradient_checkpointing=packing)
+        pad_to_multiple_of=world_size if sp else None, gradient_checkpointing=packing, per_device_eval_batch_size=1)
     trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(completions(48)),
+                         eval_dataset=datasets.Dataset.from_list(completions(4, seed=1)),
                          processing_class=word_tokenizer(), peft_config=lora)
     start = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train()
+    eval_loss = trainer.evaluate()["eval_loss"]
     ds_ulysses.uninstall()
     params = {n: safe_get_full_fp32_param(p).detach().clone()
               for n, p in trainer.model_wrapped.module.named_parameters() if p.requires_grad}
     return {"logged": [h["loss"] for h in trainer.state.log_history if "loss" in h], "start": start,
-            "params": params}
+            "params": params, "eval_loss": eval_loss}
