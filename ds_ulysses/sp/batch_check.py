@@ -14,7 +14,7 @@ import torch
 
 from ..constants import IGNORE_INDEX
 
-__all__ = ["check_batch", "first_error", "is_int_tensor"]
+__all__ = ["VARLEN_KEYS", "check_batch", "first_error", "is_int_tensor"]
 
 
 # Transformers' varlen attention kwargs (DataCollatorWithFlattening(return_flash_attn_kwargs=True), TRL's
