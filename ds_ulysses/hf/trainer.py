@@ -248,8 +248,11 @@ def _train(original, trainer, *args, **kwargs):
 
 
 def _get_batch_samples(original, trainer, epoch_iterator, num_batches, device):
+    """Only the training loop calls it, before the step's first ``training_step`` switches the model to
+    train mode: a model fresh from ``from_pretrained`` is still in eval mode for the first step's
+    batches, so SP is asked of the accelerator alone."""
     batch_samples, num_items_in_batch = original(trainer, epoch_iterator, num_batches, device)
-    if _sp_training(trainer):
+    if _sp_on(trainer.accelerator):
         num_items_in_batch = step_tokens(trainer, batch_samples)
     return batch_samples, num_items_in_batch
 

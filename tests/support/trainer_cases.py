@@ -134,6 +134,7 @@ def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: st
     # built before TrainingArguments: with a ZeRO-3 config they make from_config partition at construction
     # (zero.Init), which initialises the weights differently from the reference
     model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))
+    model.eval()  # as from_pretrained leaves it: the Trainer switches to train mode in its first training_step
     sp = sp or world_size
     section = {"sequence_parallel_size": sp} if switch in ("section", "both") else None
     pc = (ParallelismConfig(sp_backend="deepspeed", sp_size=sp)
@@ -339,6 +340,7 @@ def sft_trainer_run(rank: int, world_size: int, stage: int, out_dir: str, sp: bo
             section.update(tiled_mlp={"enabled": True, "shards": 2}, activation_checkpoint_offload={"enabled": True},
                            tiled_loss={"enabled": True, "shards": 2})
     model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))
+    model.eval()  # as from_pretrained leaves it: the Trainer switches to train mode in its first training_step
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
                       lora_dropout=0.0, task_type="CAUSAL_LM") if packing else None
     args = SFTConfig(
