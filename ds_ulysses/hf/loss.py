@@ -4,7 +4,8 @@ Transformers computes a loss only from ``labels``; the adapter's batches carry p
 ``shift_labels`` instead. :func:`enable_sp_loss` wraps the model's ``forward`` so such a batch gets
 :func:`~ds_ulysses.sp.loss.sp_loss_from_logits` on the model's own logits (or a ``loss_fn`` such as
 :func:`tiled_causal_lm_loss`, which never materialises the whole logits and applies the model's own
-logits transform, :mod:`ds_ulysses.hf.head`). Whatever the model adds to its loss beyond the token
+logits transform, :mod:`ds_ulysses.hf.head`); a call asking for TRL's fused LM head (``fused_lm_head=True``)
+gets the global mean of that head's per-token log-probs. Whatever the model adds to its loss beyond the token
 cross-entropy (a MoE router's load-balancing loss) is refused by name: the SP loss would drop it.
 """
 
