@@ -42,8 +42,10 @@ def prepare_sample(batch: dict, sp_world_size: int, pad_to_multiple: bool = True
     """Check the batch, shift labels, add missing position_ids, pad to a multiple of ``sp_world_size``.
 
     ``labels`` become ``shift_labels`` (left by one, ``-100`` appended) before padding, so the
-    model never has to shift across a shard boundary. Padded tokens get ``-100`` labels and
-    position_ids that continue the last document: causal attention never lets real tokens see them.
+    model never has to shift across a shard boundary. Padded tokens get ``-100`` labels, position_ids
+    that continue the last document (causal attention never lets real tokens see them) and 0 in the
+    attention mask (one is added when the batch has none), so what counts tokens (a MoE router's loss)
+    does not count them.
     With ``vocab_size``, token ids and labels are range-checked here, where the sample is known,
     rather than failing inside an embedding or the loss on one rank.
     """
@@ -63,6 +65,8 @@ def prepare_sample(batch: dict, sp_world_size: int, pad_to_multiple: bool = True
             f"pad every sample to a multiple of {sp_world_size} (e.g. {sl + pad} tokens), or set "
             "\"pad_to_multiple\": true in the ulysses section")
     if pad:
+        if "attention_mask" not in batch:
+            batch["attention_mask"] = torch.ones_like(batch["input_ids"])
         for key, value in batch.items():
             if not torch.is_tensor(value):
                 continue
@@ -209,6 +213,7 @@ class UlyssesSPDataLoaderAdapter:
             # an epoch ends for the whole group together; the next iteration starts a new one
             self.iter = iter(self.dl)
             raise StopIteration
+        _fill_masks(batch, metas)
         _check_agreement(metas)
         tensors = self._exchange_tensors(batch, metas)
         for k, meta in enumerate(metas):
@@ -306,6 +311,22 @@ def _not_json(objects: dict) -> str:
 
 def _itemsize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _fill_masks(batch: dict, metas: list) -> None:
+    """Give every batch without an attention mask one of ones (every token real, which is what no mask
+    means) when a peer's batch has one: :func:`prepare_sample` adds one where it pads, and ranks pad
+    samples of different lengths differently, while the group exchanges one set of keys. ``batch`` and
+    ``metas`` (every rank's description, alike on every rank) are updated in place."""
+    dtype = next((m["tensors"]["attention_mask"][0] for m in metas if "attention_mask" in m["tensors"]), None)
+    if dtype is None:
+        return
+    for meta in metas:
+        if "attention_mask" not in meta["tensors"]:
+            meta["tensors"]["attention_mask"] = [dtype, meta["tensors"]["input_ids"][1][:2]]
+            meta["order"].append("attention_mask")
+    if "attention_mask" not in batch:
+        batch["attention_mask"] = torch.ones(batch["input_ids"].shape[:2], dtype=_dtype(dtype))
 
 
 def _check_agreement(metas) -> None:

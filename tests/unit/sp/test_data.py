@@ -47,20 +47,23 @@ def _sample(length, seed, extra=None):
 
 def test_ragged_ranks_padding_and_lean_exchange():
     """Ranks draw 48 and 81 tokens at sp 2: every shard is right, and each rank receives one shard
-    of each peer's tensors (sl tokens per tensor in all), not whole batches."""
+    of each peer's tensors (sl tokens per tensor in all), not whole batches. The 81 are padded, so their
+    sample gains an attention mask (0 on the pad) and the 48, unpadded, one of ones: the same keys."""
     batches = [[_sample(48, 0, {"doc": "a"})], [_sample(81, 1, {"doc": ["b", 2]})]]
     results = run_distributed(_adapter_outputs, 2, batches, {"pad_token_id": 7})
     for rank, res in enumerate(results):
         for k, micro in enumerate(res["epoch1"]):
             full = prepare_sample(batches[k][0], 2, pad_token_id=7)
             sl_l = full["input_ids"].shape[1] // 2
-            for key in ("input_ids", "position_ids", "shift_labels"):
+            assert ("attention_mask" in full) == (k == 1)
+            full.setdefault("attention_mask", torch.ones_like(full["input_ids"]))
+            for key in ("input_ids", "position_ids", "shift_labels", "attention_mask"):
                 assert torch.equal(micro[key], full[key][:, rank * sl_l:(rank + 1) * sl_l])
             assert micro["doc"] == batches[k][0]["doc"]
-        # tensors: input_ids, position_ids, shift_labels, int64; peer's shard only (own shard stays local)
+        # tensors: input_ids, position_ids, shift_labels, attention_mask, int64; peer's shard only (own stays local)
         peer = 1 - rank
         peer_len = prepare_sample(batches[peer][0], 2)["input_ids"].shape[1]
-        assert res["received"] == 3 * 8 * peer_len // 2
+        assert res["received"] == 4 * 8 * peer_len // 2
 
 
 def test_prepare_sample_pads_to_multiple_and_keeps_loss_mask():
@@ -69,6 +72,7 @@ def test_prepare_sample_pads_to_multiple_and_keeps_loss_mask():
     assert out["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]]
     assert out["shift_labels"].tolist() == [[6, 7, 8, 9, -100, -100, -100, -100]]
     assert out["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0, 0]]  # what counts tokens skips the padding
 
 
 def test_prepare_sample_generates_position_ids():
@@ -106,7 +110,7 @@ def test_varlen_offsets_become_the_collators_own_position_ids():
     positions = _flattened()["position_ids"]  # [[0 1 2 0 0 1 2 3]]
     for flags in ({"return_flash_attn_kwargs": True}, {"return_flash_attn_kwargs": True, "return_position_ids": False}):
         out = prepare_sample(_flattened(**flags), 3)
-        assert sorted(out) == ["input_ids", "position_ids", "shift_labels"], flags
+        assert sorted(out) == ["attention_mask", "input_ids", "position_ids", "shift_labels"], flags  # padded: 8 -> 9
         assert out["position_ids"][:, :8].tolist() == positions.tolist(), flags
         assert out["position_ids"][:, 8:].tolist() == [[4]]  # the pad continues the last document
 
@@ -179,7 +183,8 @@ def test_prepare_sample_pads_shifts_and_continues_positions(batch, sp, pad_id):
     bs, sl = batch["input_ids"].shape
     length = out["input_ids"].shape[1]
     assert length % sp == 0 and sl <= length < sl + sp
-    assert "labels" not in out and set(out) == (set(batch) - {"labels"}) | {"shift_labels", "position_ids"}
+    mask = {"attention_mask"} if length > sl else set()  # added where padded, when the batch has none
+    assert "labels" not in out and set(out) == (set(batch) - {"labels"}) | {"shift_labels", "position_ids"} | mask
     assert torch.equal(out["input_ids"][:, :sl], batch["input_ids"])
     assert bool((out["input_ids"][:, sl:] == pad_id).all())
     shift = out["shift_labels"]
@@ -190,8 +195,9 @@ def test_prepare_sample_pads_shifts_and_continues_positions(batch, sp, pad_id):
     assert torch.equal(pos[:, :sl], given_pos)
     assert torch.equal(pos[:, sl:], pos[:, sl - 1:sl] + torch.arange(1, length - sl + 1))  # the last document goes on
     assert len(find_documents(pos).spans) == len(find_documents(given_pos).spans)  # padding starts no document
-    if "attention_mask" in batch:
+    if "attention_mask" in out:
         assert bool((out["attention_mask"][:, sl:] == 0).all())  # right padding, which SP can honour
+        assert torch.equal(out["attention_mask"][:, :sl], batch.get("attention_mask", torch.ones(bs, sl, dtype=torch.long)))
     check_batch({k: v for k, v in out.items() if k != "shift_labels"} | {"labels": out["shift_labels"]}, VOCAB)
 
 
@@ -214,8 +220,12 @@ def _adapter_shards_property(data):
     adapter = UlyssesSPDataLoaderAdapter([batches[rank]], rank, group, ws, "cpu", vocab_size=VOCAB)
     micro = list(adapter)
     assert len(micro) == len(adapter) == ws
+    prepared = [prepare_sample(b, ws) for b in batches]
+    masked = any("attention_mask" in full for full in prepared)  # then every micro-batch has one (ones if unpadded)
     for k, got in enumerate(micro):
-        full = prepare_sample(batches[k], ws)
+        full = prepared[k]
+        if masked:
+            full.setdefault("attention_mask", torch.ones_like(full["input_ids"]))
         sl_l = full["input_ids"].shape[1] // ws
         assert list(got) == list(full)  # same keys, same order
         for key, value in full.items():
