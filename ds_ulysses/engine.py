@@ -36,7 +36,7 @@ from .distributed.mesh import Mesh, check_mesh_param, mesh_shape
 from .distributed.watch import GroupWatch
 from .hf.checkpointing import check_checkpoint_offload, enable_activation_checkpoint_offload
 from .hf.loss import enable_sp_loss, tiled_causal_lm_loss
-from .hf.model_facts import layout_facts, vocab_size
+from .hf.model_facts import layout_facts, text_config, vocab_size
 from .hf.register import UlyssesSPAttentionHF, register_with_transformers, sp_attention_of
 from .hf.servable import decoder_of
 from .hf.trainer import install_accelerate
@@ -149,7 +149,16 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
 def _require_mlps(model) -> None:
     """A ``tiled_mlp`` section needs MLPs to tile. A decoder whose feed-forward is not named ``mlp``
     (GraniteMoE's ``block_sparse_moe``, OPT's ``fc1``/``fc2``, Llama 4's ``feed_forward``) would train
-    with the switch on and nothing tiled, its MLP activations whole: refused before anything changes."""
+    with the switch on and nothing tiled, its MLP activations whole: refused before anything changes. So
+    is a MoE model's router loss, whose logits a tiled block computes without autograd."""
+    if getattr(text_config(model), "output_router_logits", False):
+        raise ValueError(
+            f"tiled_mlp cannot serve {type(model).__name__} with output_router_logits=True: TiledMLP runs each MoE "
+            "block's forward tile by tile without autograd (and again in backward), so the router logits that the "
+            "load-balancing loss is computed from would carry no gradient and the loss would train nothing; "
+            "expected tiled_mlp off for a MoE model that trains its router loss; fix: set \"tiled_mlp\": "
+            "{\"enabled\": false}, or set config.output_router_logits = False (in TRL's SFTConfig, "
+            "router_aux_loss_coef=0.0)")
     decoder = decoder_of(model)
     if mlp_modules(decoder):
         return

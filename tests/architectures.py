@@ -237,6 +237,10 @@ OVERRIDES: dict[str, tuple[dict, str]] = {
                     "the router's load-balancing loss is part of the model's loss"),
     "qwen2_moe+aux": (dict(output_router_logits=True, router_aux_loss_coef=0.5),
                       "the router's load-balancing loss is part of the model's loss"),
+    **{f"{moe}+aux": (dict(output_router_logits=True, router_aux_loss_coef=0.5), "as mixtral+aux")
+       for moe in ("qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "minimax", "flex_olmo", "ernie4_5_moe", "phimoe",
+                   "dbrx", "doge", "granitemoeshared", "jamba")},
+    "jetmoe+aux": (dict(output_router_logits=True, aux_loss_coef=0.5), "as mixtral+aux, JetMoE's coefficient name"),
 }
 
 
@@ -409,7 +413,8 @@ def reference(model, sample: dict, own_loss: bool, loss_scale: float = 1.0) -> d
     """Loss and gradients of the unsharded model on one sample.
 
     ``own_loss``: the model's own loss from ``labels`` (logit transforms, router aux losses and all);
-    otherwise each packed document is run alone and its token-mean CE taken (what packing means).
+    otherwise each packed document is run alone and its token-mean CE taken (what packing means), plus what
+    the model's own loss adds to CE on the packed row (a router's load-balancing loss is the row's).
     ``loss_scale``: the backward runs on the loss times it and the gradients come back divided by it, as
     fp16 training scales them (so an fp16 model overflows here where it would under DeepSpeed).
     """
@@ -426,11 +431,36 @@ def reference(model, sample: dict, own_loss: bool, loss_scale: float = 1.0) -> d
                              ignore_index=-100)
         extra["own_minus_ce"] = abs(loss.item() - ce.item())  # > 0: the model's loss adds terms beyond CE
     else:
-        loss = reference_loss(model, sample)
+        loss = reference_loss(model, sample) + _beyond_ce(model, sample)
     (loss * loss_scale).backward()
     grads = {n: None if p.grad is None else p.grad.detach().float() / loss_scale for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return {"loss": loss.item(), "grads": grads, **extra}
+
+
+def _beyond_ce(model, sample: dict):
+    """What the model's own loss adds to CE on the packed ``sample``, its documents honoured: a router's
+    load-balancing loss (the model's own function, coefficient and expert counts) over the routing of every
+    document run alone, as packing means (0 for a model whose loss is CE)."""
+    import sys
+
+    ids, pos = sample["input_ids"], sample["position_ids"]
+    mask = sample.get("attention_mask", torch.ones_like(ids))
+    routed, masks = [], []
+    for row in range(ids.shape[0]):
+        starts = [0] + [i for i in range(1, ids.shape[1]) if pos[row, i] != pos[row, i - 1] + 1] + [ids.shape[1]]
+        for a, b in zip(starts[:-1], starts[1:]):
+            out = model(input_ids=ids[row:row + 1, a:b], position_ids=pos[row:row + 1, a:b],
+                        attention_mask=mask[row:row + 1, a:b])
+            if getattr(out, "aux_loss", None) is None:
+                return 0.0
+            routed.append(out.router_logits)
+            masks.append(mask[row, a:b])
+    layers = tuple(torch.cat(per_layer) for per_layer in zip(*routed))  # [tokens E] per layer
+    function = sys.modules[type(model).__module__].load_balancing_loss_func
+    aux = function(layers, model.num_experts, model.num_experts_per_tok, torch.cat(masks)[None])
+    coef = model.aux_loss_coef if hasattr(model, "aux_loss_coef") else model.router_aux_loss_coef  # JetMoE's name
+    return coef * aux
 
 
 def _deterministic(model, sample: dict) -> bool:

@@ -5,8 +5,9 @@ Transformers computes a loss only from ``labels``; the adapter's batches carry p
 :func:`~ds_ulysses.sp.loss.sp_loss_from_logits` on the model's own logits (or a ``loss_fn`` such as
 :func:`tiled_causal_lm_loss`, which never materialises the whole logits and applies the model's own
 logits transform, :mod:`ds_ulysses.hf.head`); a call asking for TRL's fused LM head (``fused_lm_head=True``)
-gets the global mean of that head's per-token log-probs. Whatever the model adds to its loss beyond the token
-cross-entropy (a MoE router's load-balancing loss) is refused by name: the SP loss would drop it.
+gets the global mean of that head's per-token log-probs. A MoE router's load-balancing loss is added as the
+model (or TRL's head) adds it, computed over the whole sequence (:mod:`ds_ulysses.hf.router_loss`); a router
+loss of another form is refused by name.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from ..memory.tiles import resolve_loss_shards, zero3_whole
 from ..patching import PATCHES
 from ..sp.loss import GlobalTokenMean, TokenCounts, mask_bad_labels, sp_loss_from_logits
 from .head import logits_transform
-from .model_facts import text_config, vocab_size
+from .model_facts import vocab_size
+from .router_loss import router_coef, router_facts, sp_router_scope, whole_router_loss
 from .servable import decoder_of
 
-__all__ = ["enable_sp_loss", "disable_sp_loss", "tiled_causal_lm_loss", "TiledCausalLMLoss", "check_loss_complete"]
+__all__ = ["enable_sp_loss", "disable_sp_loss", "tiled_causal_lm_loss", "TiledCausalLMLoss"]
 
 _TAG = "sp_loss"
 
@@ -40,8 +42,9 @@ class TiledCausalLMLoss:
     and cross-entropy run one tile at a time, which is what takes ALST from 32K to 160K tokens on one
     GPU. When the tile count comes to 1 (``"auto"`` with logits within one tile's budget, or
     ``shards=1``) tiling would save nothing, so the loss runs untiled. The returned output has
-    ``loss`` and no ``logits``. :meth:`prepare` measures the model's logits transform (and refuses a
-    model whose head it cannot reproduce); :func:`enable_sp_loss` calls it at setup. ``watch`` (the
+    ``loss``, no ``logits``, and the decoder's ``router_logits`` (for a MoE router's loss). :meth:`prepare`
+    measures the model's logits transform (and refuses a model whose head it cannot reproduce);
+    :func:`enable_sp_loss` calls it at setup. ``watch`` (the
     mesh's ``sp_watch``) names the group and step if the loss all_reduce fails.
     """
 
@@ -54,12 +57,13 @@ class TiledCausalLMLoss:
             self._transforms[model] = (logits_transform(model, zero3_whole),)
 
     def __call__(self, model, args, kwargs, shift_labels, group, grad_scale):
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+        from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
         self.prepare(model)
         (transform,) = self._transforms[model]
         kwargs = {k: v for k, v in kwargs.items() if k not in ("labels", "logits_to_keep")}
-        hidden = decoder_of(model)(*args, **kwargs).last_hidden_state  # [bs sl_l h]
+        decoded = decoder_of(model)(*args, **kwargs)
+        hidden = decoded.last_hidden_state  # [bs sl_l h]
         head = model.get_output_embeddings()
         vocab = vocab_size(model, output=True)
         labels, bad = mask_bad_labels(shift_labels.to(hidden.device), vocab)
@@ -71,7 +75,8 @@ class TiledCausalLMLoss:
                         else functools.partial(_token_ce_sum, transform))
             local_sum = TiledFusedLogitsLoss.apply(tile_sum, head, hidden, labels, None, tiles, None, "sum")
         counts = TokenCounts(int((labels != IGNORE_INDEX).sum()), int(bad), group, grad_scale, vocab, self.watch)
-        return CausalLMOutputWithPast(loss=GlobalTokenMean.apply(local_sum.reshape(()), counts))
+        return MoeCausalLMOutputWithPast(loss=GlobalTokenMean.apply(local_sum.reshape(()), counts),
+                                         router_logits=getattr(decoded, "router_logits", None))
 
 
 def _token_ce_sum(transform, head, x, y):
@@ -95,19 +100,6 @@ def tiled_causal_lm_loss(shards="auto", watch: GroupWatch | None = None) -> Tile
     return TiledCausalLMLoss(shards, watch)
 
 
-def check_loss_complete(model) -> None:
-    """Refuse a model whose own training loss adds a term the SP loss would drop."""
-    text = text_config(model)
-    if getattr(text, "output_router_logits", False):
-        raise ValueError(
-            f"the SP loss cannot serve {getattr(text, 'model_type', type(model).__name__)!r} with "
-            "output_router_logits=True: the model adds a router load-balancing loss computed from the routing "
-            "statistics of the whole sequence, which each SP rank sees only a shard of, and the SP loss (the "
-            "token cross-entropy) would drop it; fix: set config.output_router_logits = False (no auxiliary "
-            "loss; TRL's SFTTrainer sets it from its router_aux_loss_coef: pass router_aux_loss_coef=0.0 in "
-            "SFTConfig), or train this model without sequence parallelism")
-
-
 def enable_sp_loss(model, group=None, grad_scale: float = 1.0, loss_fn=None, watch: GroupWatch | None = None) -> None:
     """Make ``model(**batch)`` compute the SP loss when the batch carries ``shift_labels``.
 
@@ -119,14 +111,14 @@ def enable_sp_loss(model, group=None, grad_scale: float = 1.0, loss_fn=None, wat
     created; over ours, it would compute the shard's own loss). Undone by :func:`disable_sp_loss` or
     ``ds_ulysses.uninstall``.
     """
-    check_loss_complete(model)
+    router = router_facts(model)
     if loss_fn is not None and hasattr(loss_fn, "prepare"):
         loss_fn.prepare(model)  # a loss_fn that must know the model learns it now, so refusals come at setup
     state = model.__dict__.get("_ulysses_loss")
     if state is None:
         state = {}
         PATCHES.set_attr(model, "_ulysses_loss", state, _TAG, owner=model)
-    state.update(group=group, grad_scale=grad_scale, loss_fn=loss_fn, watch=watch)
+    state.update(group=group, grad_scale=grad_scale, loss_fn=loss_fn, watch=watch, router=router)
     if state.get("forward") is not None and model.__dict__.get("forward") is state["forward"]:
         return
     original = model.forward
@@ -137,14 +129,18 @@ def enable_sp_loss(model, group=None, grad_scale: float = 1.0, loss_fn=None, wat
         if shift_labels is None:
             return original(*args, **kwargs)
         kwargs.pop("labels", None)  # shift_labels are these labels already shifted (and sharded): they win
-        if kwargs.get("fused_lm_head"):
-            return _fused_head_loss(model, original, args, kwargs, shift_labels, state)
-        if state["loss_fn"] is not None:
-            return state["loss_fn"](model, args, kwargs, shift_labels, state["group"], state["grad_scale"])
-        outputs = original(*args, **kwargs)
-        outputs.loss = sp_loss_from_logits(outputs.logits, shift_labels, state["group"], state["grad_scale"],
-                                           watch=state["watch"])
-        return outputs
+        fused = bool(kwargs.get("fused_lm_head"))
+        with sp_router_scope(state["group"], state["grad_scale"], state["watch"]):
+            if fused:
+                outputs = _fused_head_loss(model, original, args, kwargs, shift_labels, state)
+            elif state["loss_fn"] is not None:
+                outputs = state["loss_fn"](model, args, kwargs, shift_labels, state["group"], state["grad_scale"])
+            else:
+                outputs = original(*args, **kwargs)
+                outputs.loss = sp_loss_from_logits(outputs.logits, shift_labels, state["group"], state["grad_scale"],
+                                                   watch=state["watch"])
+            from_decoder = not fused and state["loss_fn"] is not None
+            return _with_router_loss(model, outputs, kwargs.get("attention_mask"), state["router"], fused, from_decoder)
 
     state["forward"] = forward
     PATCHES.set_attr(model, "forward", forward, _TAG, owner=model)
@@ -168,6 +164,38 @@ def _fused_head_loss(model, original, args, kwargs, shift_labels, state):
             "trl.trainer.utils.add_fused_lm_head, or call the model without fused_lm_head")
     counts = TokenCounts(int(mask.sum()), int(bad), state["group"], state["grad_scale"], vocab, state["watch"])
     outputs.loss = GlobalTokenMean.apply(-log_probs.sum(), counts)
+    return outputs
+
+
+def _with_router_loss(model, outputs, attention_mask, router, fused, from_decoder):
+    """``outputs`` with the router's load-balancing loss added as the model adds it (``coef * aux_loss``),
+    when the call computed one: the whole sequence's loss, which the forward computed itself inside the
+    router scope or, ``from_decoder`` (a loss_fn ran the decoder, not the model's forward), which is
+    computed here from the decoder's router logits."""
+    aux = getattr(outputs, "aux_loss", None)
+    logits = getattr(outputs, "router_logits", None)
+    if from_decoder and router is not None and isinstance(logits, (tuple, list)) and logits:
+        if not router.servable or router.num_experts is None or router.top_k is None:
+            raise ValueError(
+                f"the SP loss got router logits from {type(model).__name__}'s decoder but cannot compute its "
+                f"load-balancing loss: expected a Switch Transformer loss with the model's expert count and top-k "
+                f"(found {router}); fix: set config.output_router_logits = False, or turn tiled_loss off")
+        aux = whole_router_loss(logits, router, attention_mask)
+        outputs.aux_loss = aux
+    if not torch.is_tensor(aux):
+        return outputs
+    if router is None or not router.servable:
+        raise ValueError(
+            f"{type(model).__name__} computed a router load-balancing loss in an SP forward, but its function is not "
+            "one the SP loss serves, so it saw only this rank's shard; expected output_router_logits off for this "
+            "model under SP; fix: do not pass output_router_logits=True, or train without sequence parallelism")
+    if outputs.loss.requires_grad and not aux.requires_grad:
+        raise ValueError(
+            f"{type(model).__name__}'s router logits reached the SP loss without a gradient (a tiled MLP runs the "
+            "MoE block's forward without autograd and recomputes it in backward), so the router load-balancing loss "
+            "would train nothing; expected router logits from an autograd forward; fix: turn tiled_mlp off for this "
+            "model, or set config.output_router_logits = False")
+    outputs.loss = outputs.loss + router_coef(model, fused) * aux.to(outputs.loss.device)
     return outputs
 
 

@@ -18,7 +18,8 @@ the Trainer computes the loss with ``deepspeed_sp_compute_loss``. After :func:`d
 - the step's loss is weighted by tokens as the Trainer without SP weights it (:func:`step_tokens`,
   :func:`token_weight`): Transformers' SP path drops ``num_items_in_batch`` and averages micro-batch
   means instead, which differs from non-SP training as soon as micro-batches (over the accumulation
-  window and the DP replicas) hold different numbers of labelled tokens;
+  window and the DP replicas) hold different numbers of labelled tokens; a MoE router's load-balancing
+  loss is weighted as the Trainer (or TRL's fused head) weights it without SP (:func:`router_weight`);
 - the Trainer options its SP loss would drop silently, label smoothing and ``compute_loss_func``, are
   refused when training starts, before the engine is built (:func:`refuse_dropped_loss_features`);
 - NEFTune's noise is bounded by the whole sequence's length, not a shard's (:func:`activate_neftune`);
@@ -39,6 +40,7 @@ import inspect
 import math
 import sys
 
+import torch
 import torch.distributed as dist
 
 from ..config import UlyssesConfig, parse_ds_config
@@ -48,9 +50,10 @@ from ..distributed.collectives import all_reduce_sum
 from ..distributed.mesh import Mesh, mesh_shape
 from ..patching import PATCHES
 from ..sp.data import UlyssesSPDataLoaderAdapter
+from .router_loss import router_coef
 
 __all__ = ["reconcile", "sp_compute_loss", "skip_first_batches", "install_accelerate", "step_tokens",
-           "token_weight", "refuse_dropped_loss_features", "activate_neftune"]
+           "token_weight", "router_weight", "refuse_dropped_loss_features", "activate_neftune"]
 
 
 def _pc_values(pc) -> dict:
@@ -257,12 +260,34 @@ def _get_batch_samples(original, trainer, epoch_iterator, num_batches, device):
     return batch_samples, num_items_in_batch
 
 
+def router_weight(trainer, fused_head: bool) -> float:
+    """What the SP loss's router term (``coef * aux_loss``, one micro-batch's load-balancing loss) is
+    multiplied by so that the step's gradient is the Trainer's without SP. The Trainer without SP leaves
+    it inside the model's loss, times the process count (``average_tokens_across_devices``) and not divided
+    over the accumulation steps; TRL's fused head divides it by the accumulation steps and leaves it out of
+    the process count. Times the accumulation steps the Trainer divides the SP loss by."""
+    if fused_head:
+        weight = 1.0 / trainer.current_gradient_accumulation_steps
+    else:
+        weight = float(_mesh(trainer).dp) if trainer.args.average_tokens_across_devices else 1.0
+    if getattr(trainer, "loss_is_scaled_for_ga", None) is not True:
+        weight *= trainer.current_gradient_accumulation_steps
+    return weight
+
+
 def _compute_loss(original, trainer, model, inputs, return_outputs=False, num_items_in_batch=None):
-    out = original(trainer, model, inputs, return_outputs, num_items_in_batch)
     if num_items_in_batch is None or not _sp_training(trainer):
-        return out
+        return original(trainer, model, inputs, return_outputs, num_items_in_batch)
+    loss, outputs = original(trainer, model, inputs, True, num_items_in_batch)
     weight = token_weight(trainer, inputs, num_items_in_batch)
-    return (out[0] * weight, out[1]) if return_outputs else out * weight
+    aux = getattr(outputs, "aux_loss", None)
+    if torch.is_tensor(aux):  # the SP loss added the router term: weighted apart from the token loss
+        fused = bool(inputs.get("fused_lm_head"))
+        router = router_coef(trainer.accelerator.unwrap_model(model), fused) * aux
+        loss = (loss - router) * weight + router * router_weight(trainer, fused)
+    else:
+        loss = loss * weight
+    return (loss, outputs) if return_outputs else loss
 
 
 def _around(original, wrapper):

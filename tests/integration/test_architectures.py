@@ -2,9 +2,10 @@
 
 One SP step at sp 2 on 2 gloo ranks vs the unsharded model, through the drop-in API and (tiled loss,
 ZeRO-3; a few with tiled MLPs, checkpoint offload or both with the loss in tiles) through
-``ds_ulysses.initialize``, and Llama in other layouts (sp 4, a padded length, 2 rows; dp 2 x sp 2 for 3
-steps; 2 micro-batches per step, Mixtral among it; bf16 at ZeRO-1 and fp16 at ZeRO-2, and Gemma 3 in bf16
-at ZeRO-3); the full sweep is ``python -m tests.architectures``.
+``ds_ulysses.initialize``, MoE router losses among them, and Llama in other layouts (sp 4, a padded length,
+2 rows, with Mixtral's router loss too; dp 2 x sp 2 for 3 steps; 2 micro-batches per step, Mixtral among it;
+bf16 at ZeRO-1 and fp16 at ZeRO-2, and Gemma 3 in bf16 at ZeRO-3); the full sweep is
+``python -m tests.architectures``.
 A model is never allowed to come out ``wrong`` (silently off) or ``crash``; a refusal must name the
 real cause.
 """
@@ -36,17 +37,22 @@ DROPIN = [
     "gemma4_text",  # per-layer head_dim (16 vs 512): each call's q/k/v decide the head split
     "ctrl",        # its attention modules do not forward position_ids: refused naming that
     "llama+rope_dynamic",  # RoPE scaled by the batch's longest position: refused
-    "mixtral+aux",  # a router load-balancing loss the SP loss would drop: refused
+    "mixtral+aux",  # a router load-balancing loss: the whole sequence's, from the SP group's routing statistics
 ]
 ENGINE = ["llama@tiled", "cohere@tiled", "granite@tiled", "gemma3_text@tiled",
           "longcat_flash@tiled",  # MoE with identity experts, its block a ZeRO-3 leaf (without, gloo aborts the step)
           "mixtral@mlp",          # tiled MLPs; the MoE block is a ZeRO-3 leaf by DeepSpeed's default
+          "qwen2_moe+aux@tiled",  # a router loss beside the tiled loss, which runs the decoder itself
+          "mixtral+aux@mlp",      # a router loss from tiled MoE blocks would train nothing: refused
           "longcat_flash@mlp",    # tiled MLPs, the tiled block the leaf
           "opt@mlp",              # no module named mlp: tiled_mlp refused, not silently off
           "llama@offload",        # checkpointed layers with their inputs on the host
           "gemma3_text@all-tools"]  # loss tiles, tiled MLPs and offload at once; a tied, soft-capped head
 # the cause a refusal must name
-REFUSED_FOR = {"opt@mlp": "tiled_mlp is enabled but OPTForCausalLM's decoder has no module named 'mlp'"}
+REFUSED_FOR = {"opt@mlp": "tiled_mlp is enabled but OPTForCausalLM's decoder has no module named 'mlp'",
+               "mixtral+aux@mlp": "tiled_mlp cannot serve MixtralForCausalLM with output_router_logits=True"}
+# served, never refused
+EXACT = {"llama", "mixtral", "mixtral+aux", "llama@tiled", "qwen2_moe+aux@tiled"}
 
 
 def _names(params) -> list[str]:
@@ -75,24 +81,27 @@ def _check(rec: dict) -> None:
 @pytest.mark.parametrize("name", DROPIN)
 def test_dropin_api_is_exact_or_refuses(name, dropin_results):
     _check(dropin_results[name])
+    assert name not in EXACT or dropin_results[name]["status"] == "exact", summary(dropin_results[name])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ENGINE)
 def test_initialize_tiled_loss_is_exact_or_refuses(case, engine_results):
     _check(engine_results[case])
+    assert case not in EXACT or engine_results[case]["status"] == "exact", summary(engine_results[case])
     if case in REFUSED_FOR:
         assert engine_results[case]["status"] == "refused" and REFUSED_FOR[case] in engine_results[case]["message"]
 
 
 def test_the_sweep_runs_in_another_layout():
     """``--sp 4 --length 70 --batch 2``: 4 ranks share the 2 KV heads, the adapter pads 70 tokens to 4 shards
-    of 18, and every micro-batch has 2 rows."""
-    rec = run_cases(["llama"], "dropin", sp=4, length=70, docs=[30, 25, 15], batch=2,
-                    case_timeout=120)["llama"]
-    assert rec["status"] == "exact", summary(rec)
-    assert rec["shard_shape"] == [2, 18]
-    assert [len(rec["steps"][kind]) for kind in ("plain", "packed")] == [4, 4]  # one step per rank's sample
+    of 18, and every micro-batch has 2 rows; Mixtral's router loss must not count the 2 padded tokens."""
+    records = run_cases(["llama", "mixtral+aux"], "dropin", sp=4, length=70, docs=[30, 25, 15], batch=2,
+                        case_timeout=120)
+    for rec in records.values():
+        assert rec["status"] == "exact", summary(rec)
+        assert rec["shard_shape"] == [2, 18]
+        assert [len(rec["steps"][kind]) for kind in ("plain", "packed")] == [4, 4]  # one step per rank's sample
 
 
 @pytest.mark.slow

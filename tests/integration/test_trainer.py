@@ -8,7 +8,8 @@ without SP (plain torch: the same model, samples and SGD steps; tests/support/tr
 - resume from a checkpoint, in a second Trainer of the same process, reproduces the run;
 - a step of several micro-batches over DP replicas weights each labelled token as the Trainer without SP
   does (``num_items_in_batch``), for both values of ``average_tokens_across_devices``; packed SFT
-  (Transformers' padding-free collator) trains as the same Trainer without SP;
+  (Transformers' padding-free collator) trains as the same Trainer without SP, and so does a MoE model
+  adding its router load-balancing loss;
 - what used to train plain data parallelism silently (``install()`` after the Trainer exists) fails on
   every rank naming the missing piece; switches that disagree are refused naming both values, and so
   are label smoothing and ``compute_loss_func``, which the SP loss would drop.
@@ -83,6 +84,20 @@ def test_packed_sft_trains_as_the_same_trainer_without_sp(tmp_path):
     start = {n: p.detach() for n, p in tiny_model(tiny_config("llama", heads=4, kv_heads=2)).named_parameters()}
     want = {"losses": plain["logged"], "start": start, "update": {n: plain["params"][n] - p for n, p in start.items()}}
     for res in run_distributed(tc.trainer_packed, 2, "section", str(tmp_path / "sp"), timeout=600):
+        assert res["sp"] == 2 and len(res["logged"]) == 2
+        errors = tc.compare({**res, "losses": res["logged"]}, want)
+        assert errors["loss"] <= 1e-5 and errors["update"] <= 1e-4, errors
+
+
+def test_a_moe_router_loss_trains_as_the_same_trainer_without_sp(tmp_path):
+    """Mixtral adding its router load-balancing loss (weight 0.5) at dp 2 x sp 2, 2 micro-batches per step of
+    samples with -100 prompts, ZeRO-3, against the same Trainer at dp 2 without SP. Without SP the Trainer
+    divides the token loss by the step's tokens but leaves each micro-batch's router loss whole, times the
+    process count; under SP the router loss is the whole sequence's and weighted the same way."""
+    start = {n: p.detach() for n, p in tc.moe_model().named_parameters()}
+    plain = run_distributed(tc.trainer_router_loss, 2, "none", str(tmp_path / "plain"), timeout=600)[0]
+    want = {"losses": plain["logged"], "start": start, "update": {n: plain["params"][n] - p for n, p in start.items()}}
+    for res in run_distributed(tc.trainer_router_loss, 4, "section", str(tmp_path / "sp"), timeout=600):
         assert res["sp"] == 2 and len(res["logged"]) == 2
         errors = tc.compare({**res, "losses": res["logged"]}, want)
         assert errors["loss"] <= 1e-5 and errors["update"] <= 1e-4, errors

@@ -6,7 +6,9 @@ SP loss is that head's global token mean. Prompt-completion samples (loss on com
 micro-batches per step: the logged losses (rel 1e-5), the update of every trainable parameter, the sum of
 its gradients (rel 1e-4), and the eval loss after training (rel 1e-5). The second case packs (TRL's
 padding-free collator, whose varlen offsets ``cu_seq_lens_*`` the adapter turns into position_ids;
-DeepSpeed's adapter raises on them) and trains PEFT LoRA adapters with every ALST switch on.
+DeepSpeed's adapter raises on them) and trains PEFT LoRA adapters with every ALST switch on. The first
+trains a Mixtral whose router load-balancing loss TRL's head adds, divided over the accumulation steps:
+under SP it is the whole sequence's, weighted the same way.
 """
 
 import pytest
@@ -17,13 +19,15 @@ from tests.support.distributed import run_distributed
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("stage,packing", [(1, False), (3, True)], ids=["padded-zero1", "packed-lora-zero3-alst"])
-def test_sft_trainer_trains_as_the_same_sft_trainer_without_sp(stage, packing, tmp_path):
-    (plain,) = run_distributed(tc.sft_trainer_run, 1, stage, str(tmp_path / "plain"), False, packing, timeout=600)
+@pytest.mark.parametrize("stage,packing,moe", [(1, False, True), (3, True, False)],
+                         ids=["padded-moe-router-loss-zero1", "packed-lora-zero3-alst"])
+def test_sft_trainer_trains_as_the_same_sft_trainer_without_sp(stage, packing, moe, tmp_path):
+    (plain,) = run_distributed(tc.sft_trainer_run, 1, stage, str(tmp_path / "plain"), False, packing, moe,
+                               timeout=600)
     assert any("lora_B" in n for n in plain["start"]) == packing
     want = {"losses": plain["logged"], "start": plain["start"],
             "update": {n: plain["params"][n] - p for n, p in plain["start"].items()}}
-    for res in run_distributed(tc.sft_trainer_run, 2, stage, str(tmp_path / "sp"), True, packing, timeout=600):
+    for res in run_distributed(tc.sft_trainer_run, 2, stage, str(tmp_path / "sp"), True, packing, moe, timeout=600):
         assert len(res["logged"]) == 2 and sorted(res["start"]) == sorted(plain["start"])
         assert all(res["start"][n].equal(p) for n, p in plain["start"].items())
         errors = tc.compare({**res, "losses": res["logged"]}, want)

@@ -114,13 +114,14 @@ def compare(result: dict, ref: dict) -> dict:
 def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: str, steps: int = 3,
                 evaluate: bool = False, save: bool = False, resume_from: str | None = None,
                 save_steps: int = 0, *, sp: int | None = None, gas: int = 1, average_tokens: bool = True,
-                prompts: bool = False, packed: bool = False) -> dict:
+                prompts: bool = False, packed: bool = False, moe: bool = False) -> dict:
     """A real Trainer with SP at ``sp`` (the world size by default), switched on by ``switch``: "section"
     (the DeepSpeed config's "ulysses" section), "parallelism_config" (Transformers' documented path),
     "both", or "none" (the same Trainer without SP); ``gas`` micro-batches per step, ``average_tokens`` its
     ``average_tokens_across_devices``, ``prompts`` samples with -100 prompts (see :func:`samples`),
     ``packed`` micro-batches of 3 :func:`documents` packed by Transformers' padding-free
-    ``DataCollatorWithFlattening`` (position_ids restart per document). Returns the losses ``compute_loss``
+    ``DataCollatorWithFlattening`` (position_ids restart per document), ``moe`` a tiny Mixtral training its
+    router load-balancing loss (:func:`moe_model`) instead of Llama. Returns the losses ``compute_loss``
     gave, the losses the Trainer logged per step, and the final parameters. Leaves ds_ulysses installed (a
     second Trainer in the process registers over the first; the caller uninstalls)."""
     from accelerate.parallelism_config import ParallelismConfig
@@ -133,7 +134,7 @@ def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: st
     ds_ulysses.install()
     # built before TrainingArguments: with a ZeRO-3 config they make from_config partition at construction
     # (zero.Init), which initialises the weights differently from the reference
-    model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))
+    model = moe_model() if moe else tiny_model(tiny_config("llama", heads=4, kv_heads=2))
     model.eval()  # as from_pretrained leaves it: the Trainer switches to train mode in its first training_step
     sp = sp or world_size
     section = {"sequence_parallel_size": sp} if switch in ("section", "both") else None
@@ -169,6 +170,22 @@ def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: st
     if save:
         trainer.save_model(f"{out_dir}/final")
     return out
+
+
+def moe_model():
+    """A tiny Mixtral (4 experts, top 2) whose loss adds its router load-balancing loss at weight 0.5."""
+    return tiny_model(tiny_config("mixtral", heads=4, kv_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                  output_router_logits=True, router_aux_loss_coef=0.5))
+
+
+def trainer_router_loss(rank: int, world_size: int, switch: str, out_dir: str) -> dict:
+    """:func:`moe_model` at ZeRO-3, 2 steps of 2 micro-batches of samples with -100 prompts, at dp 2 x sp 2
+    (``switch`` "section") or at dp 2 without SP ("none", 2 ranks); the run's result."""
+    import ds_ulysses
+
+    run = trainer_run(rank, world_size, 3, switch, out_dir, steps=2, sp=2, gas=2, prompts=True, moe=True)
+    ds_ulysses.uninstall()
+    return run
 
 
 def trainer_resume(rank: int, world_size: int, stage: int, out_dir: str) -> dict:
@@ -314,13 +331,16 @@ def completions(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def sft_trainer_run(rank: int, world_size: int, stage: int, out_dir: str, sp: bool, packing: bool) -> dict:
+def sft_trainer_run(rank: int, world_size: int, stage: int, out_dir: str, sp: bool, packing: bool,
+                    moe: bool = False) -> dict:
     """TRL's SFTTrainer on :func:`completions` (loss on the completions only), 2 samples per micro-batch, 2
     micro-batches per step, 2 steps: with SP at sp = world size switched on by the section (``install()``
     first), or without SP. ``packing``: TRL's best-fit packing into rows of at most 64 tokens, fed by its
     padding-free collator (one flattened row per micro-batch with varlen offsets ``cu_seq_lens_*``,
     position_ids restarting per document), LoRA adapters from PEFT on the attention and MLP projections,
-    gradient checkpointing and, with SP, the tiled MLP, checkpoint offload and the tiled loss. Returns the
+    gradient checkpointing and, with SP, the tiled MLP, checkpoint offload and the tiled loss. ``moe``:
+    :func:`moe_model`, whose router load-balancing loss TRL's fused head adds (TRL turns it on for a MoE
+    config with a ``router_aux_loss_coef``), instead of Llama. Returns the
     logged losses, the trainable parameters before and after training, and the eval loss after it (the
     Trainer evaluates whole samples without SP)."""
     import datasets
@@ -339,7 +359,7 @@ def sft_trainer_run(rank: int, world_size: int, stage: int, out_dir: str, sp: bo
         if packing:
             section.update(tiled_mlp={"enabled": True, "shards": 2}, activation_checkpoint_offload={"enabled": True},
                            tiled_loss={"enabled": True, "shards": 2})
-    model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))
+    model = moe_model() if moe else tiny_model(tiny_config("llama", heads=4, kv_heads=2))
     model.eval()  # as from_pretrained leaves it: the Trainer switches to train mode in its first training_step
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
                       lora_dropout=0.0, task_type="CAUSAL_LM") if packing else None

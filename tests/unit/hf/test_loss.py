@@ -1,6 +1,6 @@
-"""The SP loss on a Transformers model: shift_labels win over labels, and a model whose own loss adds
-a term the SP loss would drop is refused by name. Single process (no SP group): the SP loss is then
-the plain token mean, checked against cross-entropy on the model's own logits."""
+"""The SP loss on a Transformers model: shift_labels win over labels, a MoE router's load-balancing loss
+is added as the model adds it, and one of another form is refused by name. Single process (no SP group):
+the SP loss is then the plain token mean, checked against cross-entropy on the model's own logits."""
 
 import pytest
 import torch
@@ -25,11 +25,48 @@ def test_a_batch_with_labels_and_shift_labels_trains_on_shift_labels(loss_fn):
     assert rel_err(got, want) <= 1e-6
 
 
-def test_a_router_load_balancing_loss_is_refused():
-    model = tiny_model(tiny_config("mixtral", num_local_experts=2, num_experts_per_tok=1, output_router_logits=True))
-    with pytest.raises(ValueError, match="output_router_logits=True: the model adds a router load-balancing loss.*"
-                                         "fix: set config.output_router_logits = False"):
-        enable_sp_loss(model)
+def _moe(router_loss: bool = True):
+    return tiny_model(tiny_config("mixtral", num_local_experts=4, num_experts_per_tok=2,
+                                  output_router_logits=router_loss, router_aux_loss_coef=0.5))
+
+
+@pytest.mark.parametrize("loss_fn", [None, tiled_causal_lm_loss(3)], ids=["logits", "tiled"])
+def test_a_router_load_balancing_loss_is_the_models_own_gradients_included(loss_fn):
+    """Mixtral's own loss from labels is CE + coef x its router loss over the unmasked tokens; the SP loss
+    (one process: the whole sequence) adds the same term, also when the tiled loss runs the decoder itself."""
+    model = _moe()
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0  # right padding, labelled -100
+    labels = ids.masked_fill(mask == 0, -100)
+    own = model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert own.aux_loss > 0.5 and own.loss.item() - own.aux_loss.item() * 0.5 > 0
+    want = [g.clone() for g in torch.autograd.grad(own.loss, list(model.parameters()))]
+    enable_sp_loss(model, loss_fn=loss_fn)
+    shift = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
+    got = model(input_ids=ids, attention_mask=mask, shift_labels=shift)
+    assert rel_err(got.loss, own.loss) <= 1e-6 and rel_err(got.aux_loss, own.aux_loss) <= 1e-6
+    grads = torch.autograd.grad(got.loss, list(model.parameters()))
+    assert max(rel_err(g, w, 1e-8) for g, w in zip(grads, want)) <= 1e-5
+    disable_sp_loss(model)
+
+
+def test_a_router_loss_of_another_form_is_refused_naming_the_function(monkeypatch):
+    import transformers.models.mixtral.modeling_mixtral as mixtral
+
+    monkeypatch.setattr(mixtral, "load_balancing_loss_func", lambda gates, experts, top_k, mask: torch.tensor(1.0))
+    function = r"\(transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func\)"
+    with pytest.raises(ValueError, match=rf"cannot serve MixtralForCausalLM's router load-balancing loss {function}: "
+                                         r"it is not Switch Transformer's loss.*fix: set config.output_router_logits "
+                                         r"= False \(no auxiliary loss; in TRL's SFTConfig,\s+router_aux_loss_coef"):
+        enable_sp_loss(_moe())
+    model = _moe(router_loss=False)  # off in the config: served until a call asks for router logits
+    enable_sp_loss(model)
+    ids = torch.randint(0, 100, (1, 8))
+    with pytest.raises(ValueError, match="computed a router load-balancing loss in an SP forward, but its function is "
+                                         "not one the SP loss serves"):
+        model(input_ids=ids, shift_labels=ids, output_router_logits=True)
+    disable_sp_loss(model)
 
 
 @pytest.mark.parametrize("loss_fn", [None, tiled_causal_lm_loss(3)], ids=["logits", "tiled"])
