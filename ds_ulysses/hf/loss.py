@@ -190,11 +190,13 @@ def _with_router_loss(model, outputs, attention_mask, router, fused, from_decode
             "one the SP loss serves, so it saw only this rank's shard; expected output_router_logits off for this "
             "model under SP; fix: do not pass output_router_logits=True, or train without sequence parallelism")
     if outputs.loss.requires_grad and not aux.requires_grad:
+        # without SP the loss would train nothing silently; a user who turned it on wants it trained
         raise ValueError(
-            f"{type(model).__name__}'s router logits reached the SP loss without a gradient (a tiled MLP runs the "
-            "MoE block's forward without autograd and recomputes it in backward), so the router load-balancing loss "
-            "would train nothing; expected router logits from an autograd forward; fix: turn tiled_mlp off for this "
-            "model, or set config.output_router_logits = False")
+            f"{type(model).__name__}'s router logits reached the SP loss without a gradient, so its router "
+            "load-balancing loss would train nothing (a tiled MLP, or reentrant gradient checkpointing, runs the MoE "
+            "block's forward without autograd and recomputes it in backward); expected router logits from an "
+            "autograd forward; fix: gradient_checkpointing_kwargs={'use_reentrant': False}, turn tiled_mlp off for "
+            "this model, or set config.output_router_logits = False")
     outputs.loss = outputs.loss + router_coef(model, fused) * aux.to(outputs.loss.device)
     return outputs
 

@@ -69,6 +69,24 @@ def test_a_router_loss_of_another_form_is_refused_naming_the_function(monkeypatc
     disable_sp_loss(model)
 
 
+def test_router_logits_without_a_gradient_are_refused_naming_reentrant_checkpointing():
+    """Reentrant checkpointing runs each layer without autograd in forward: Mixtral's router loss then has no
+    gradient (without SP too, silently); a router loss that would train nothing is refused, naming the fix."""
+    model = _moe()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    enable_sp_loss(model)
+    ids = torch.randint(0, 100, (1, 8))
+    with pytest.raises(ValueError, match=r"router logits reached the SP loss without a gradient.*fix: "
+                                         r"gradient_checkpointing_kwargs=\{'use_reentrant': False\}"):
+        model(input_ids=ids, shift_labels=ids)
+    disable_sp_loss(model)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    enable_sp_loss(model)
+    assert model(input_ids=ids, shift_labels=ids).aux_loss.requires_grad
+    disable_sp_loss(model)
+
+
 @pytest.mark.parametrize("loss_fn", [None, tiled_causal_lm_loss(3)], ids=["logits", "tiled"])
 def test_trls_fused_head_trains_on_its_log_probs_with_its_fields_kept(loss_fn):
     """TRL's SFTTrainer calls the model with ``fused_lm_head=True`` (``add_fused_lm_head``: per-token
