@@ -122,6 +122,7 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
     adapter's shards.
     """
     if section.tiled_mlp.enabled:  # refusals first, before anything changes
+        _refuse_tiled_router_loss(model)
         _require_mlps(model)
     if section.activation_checkpoint_offload.enabled:
         check_checkpoint_offload(model)
@@ -149,16 +150,7 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
 def _require_mlps(model) -> None:
     """A ``tiled_mlp`` section needs MLPs to tile. A decoder whose feed-forward is not named ``mlp``
     (GraniteMoE's ``block_sparse_moe``, OPT's ``fc1``/``fc2``, Llama 4's ``feed_forward``) would train
-    with the switch on and nothing tiled, its MLP activations whole: refused before anything changes. So
-    is a MoE model's router loss, whose logits a tiled block computes without autograd."""
-    if getattr(text_config(model), "output_router_logits", False):
-        raise ValueError(
-            f"tiled_mlp cannot serve {type(model).__name__} with output_router_logits=True: TiledMLP runs each MoE "
-            "block's forward tile by tile without autograd (and again in backward), so the router logits that the "
-            "load-balancing loss is computed from would carry no gradient and the loss would train nothing; "
-            "expected tiled_mlp off for a MoE model that trains its router loss; fix: set \"tiled_mlp\": "
-            "{\"enabled\": false}, or set config.output_router_logits = False (in TRL's SFTConfig, "
-            "router_aux_loss_coef=0.0)")
+    with the switch on and nothing tiled, its MLP activations whole: refused before anything changes."""
     decoder = decoder_of(model)
     if mlp_modules(decoder):
         return
@@ -169,6 +161,19 @@ def _require_mlps(model) -> None:
         f"layer holds: {parts}), so it would train with every MLP untiled; expected decoder MLPs named 'mlp', "
         "which tile_mlps runs through TiledMLP; fix: set \"tiled_mlp\": {\"enabled\": false}, or tile the "
         "feed-forward yourself with ds_ulysses.TiledMLP or sequence_tiled_compute")
+
+
+def _refuse_tiled_router_loss(model) -> None:
+    """TiledMLP runs a MoE block's forward without autograd, so a router loss computed from its logits
+    would train nothing: refused before anything changes."""
+    if getattr(text_config(model), "output_router_logits", False):
+        raise ValueError(
+            f"tiled_mlp cannot serve {type(model).__name__} with output_router_logits=True: TiledMLP runs each MoE "
+            "block's forward tile by tile without autograd (and again in backward), so the router logits that the "
+            "load-balancing loss is computed from would carry no gradient and the loss would train nothing; "
+            "expected tiled_mlp off for a MoE model that trains its router loss; fix: set \"tiled_mlp\": "
+            "{\"enabled\": false}, or set config.output_router_logits = False (in TRL's SFTConfig, "
+            "router_aux_loss_coef=0.0)")
 
 
 def _refuse_leaves_inside_mlps(model) -> None:

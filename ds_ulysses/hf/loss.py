@@ -44,8 +44,8 @@ class TiledCausalLMLoss:
     ``shards=1``) tiling would save nothing, so the loss runs untiled. The returned output has
     ``loss``, no ``logits``, and the decoder's ``router_logits`` (for a MoE router's loss). :meth:`prepare`
     measures the model's logits transform (and refuses a model whose head it cannot reproduce);
-    :func:`enable_sp_loss` calls it at setup. ``watch`` (the
-    mesh's ``sp_watch``) names the group and step if the loss all_reduce fails.
+    :func:`enable_sp_loss` calls it at setup. ``watch`` (the mesh's ``sp_watch``) names the group and
+    step if the loss all_reduce fails.
     """
 
     def __init__(self, shards="auto", watch: GroupWatch | None = None):
