@@ -1,5 +1,6 @@
-"""The forward hooks a decoder SP serves gets: its position_ids judged before the model uses them, and
-a forward that never reached the SP attention refused.
+"""The forward hooks a decoder SP serves gets: its position_ids judged before the model uses them, a
+forward that never reached the SP attention refused, and a training forward whose loss SP does not serve
+refused (:func:`unserved_loss_scope`).
 
 Transformers invents local position_ids (``arange`` over the shard) when a call passes none, which is
 silently wrong under SP; the pre-forward hook sees the call first. A model that computes attention
@@ -10,6 +11,8 @@ forward. Both are added by :mod:`ds_ulysses.hf.register`, which also undoes them
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import torch
@@ -18,7 +21,20 @@ from ..patching import PATCHES
 from ..sp.forward_check import check_positions
 from ..sp.shards import SHARDS
 
-__all__ = ["watch_decoder", "sp_active"]
+__all__ = ["watch_decoder", "sp_active", "unserved_loss_scope"]
+
+_UNSERVED_LOSS: contextvars.ContextVar = contextvars.ContextVar("ulysses_unserved_loss", default=None)
+
+
+@contextlib.contextmanager
+def unserved_loss_scope(owner: str | None):
+    """Within it, a training forward of an SP decoder is refused, ``owner`` (a ``compute_loss`` that is not
+    the one SP serves, by qualified name) computing its loss; ``None`` lifts the refusal (the served loss)."""
+    token = _UNSERVED_LOSS.set(owner)
+    try:
+        yield
+    finally:
+        _UNSERVED_LOSS.reset(token)
 
 
 def watch_decoder(decoder, uattn, owner, tag: str) -> None:
@@ -75,6 +91,15 @@ def _check_positions(uattn, module, args, kwargs):
                 "its own accelerator.prepare call), or keep SP on in eval (disable_in_eval false, under "
                 "ds_ulysses.initialize)")
         return None
+    owner = _UNSERVED_LOSS.get()
+    if owner is not None and module.training:
+        raise ValueError(
+            f"Ulysses SP (sp_size={uattn.world_size}) cannot serve {owner}: it computes its training loss without "
+            "Trainer.compute_loss, so that loss reads each rank's shard of a sample as the whole sample (a "
+            "per-sample sum of log-probabilities, a preference margin, a reward at the last token), silently wrong; "
+            "expected the loss of Trainer.compute_loss, whose SP branch is the whole sequence's token loss (TRL's "
+            f"SFTTrainer calls it); fix: train without sequence parallelism (no \"ulysses\" section, no "
+            f"parallelism_config sp_size), or have {owner} return super().compute_loss(...)")
     uattn.new_forward()
     module.__dict__["_ulysses_watched"] = uattn.watch.step
     uattn.shard_verdict = SHARDS.verdict(uattn.process_group, ids)

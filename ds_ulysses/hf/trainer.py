@@ -21,7 +21,9 @@ the Trainer computes the loss with ``deepspeed_sp_compute_loss``. After :func:`d
   window and the DP replicas) hold different numbers of labelled tokens; a MoE router's load-balancing
   loss is weighted as the Trainer (or TRL's fused head) weights it without SP (:func:`router_weight`);
 - the Trainer options its SP loss would drop silently, label smoothing and ``compute_loss_func``, are
-  refused when training starts, before the engine is built (:func:`refuse_dropped_loss_features`);
+  refused when training starts, before the engine is built (:func:`refuse_dropped_loss_features`), and a
+  trainer whose ``compute_loss`` never reaches the Trainer's (TRL's DPOTrainer, RewardTrainer, ...: a
+  loss per sample, not per token) at its first training forward (:func:`_train`);
 - NEFTune's noise is bounded by the whole sequence's length, not a shard's (:func:`activate_neftune`);
 - the Trainer's resume skips into the adapter (:func:`skip_first_batches`), which Accelerate's
   version cannot (the adapter is not a DataLoader).
@@ -50,6 +52,7 @@ from ..distributed.collectives import all_reduce_sum
 from ..distributed.mesh import Mesh, mesh_shape
 from ..patching import PATCHES
 from ..sp.data import UlyssesSPDataLoaderAdapter
+from .decoder_watch import unserved_loss_scope
 from .router_loss import router_coef
 
 __all__ = ["reconcile", "sp_compute_loss", "skip_first_batches", "install_accelerate", "step_tokens",
@@ -246,8 +249,13 @@ def token_weight(trainer, inputs: dict, tokens_in_step: int) -> float:
 
 
 def _train(original, trainer, *args, **kwargs):
+    """Under SP, training forwards are served inside ``Trainer.compute_loss`` only (:func:`_compute_loss`
+    lifts the refusal): a subclass whose ``compute_loss`` never calls it computes its loss from shards."""
     refuse_dropped_loss_features(trainer)
-    return original(trainer, *args, **kwargs)
+    if not _sp_on(trainer.accelerator):
+        return original(trainer, *args, **kwargs)
+    with unserved_loss_scope(type(trainer).compute_loss.__qualname__):
+        return original(trainer, *args, **kwargs)
 
 
 def _get_batch_samples(original, trainer, epoch_iterator, num_batches, device):
@@ -276,6 +284,11 @@ def router_weight(trainer, fused_head: bool) -> float:
 
 
 def _compute_loss(original, trainer, model, inputs, return_outputs=False, num_items_in_batch=None):
+    with unserved_loss_scope(None):
+        return _sp_loss(original, trainer, model, inputs, return_outputs, num_items_in_batch)
+
+
+def _sp_loss(original, trainer, model, inputs, return_outputs, num_items_in_batch):
     if num_items_in_batch is None or not _sp_training(trainer):
         return original(trainer, model, inputs, return_outputs, num_items_in_batch)
     loss, outputs = original(trainer, model, inputs, True, num_items_in_batch)

@@ -113,3 +113,5 @@ def test_sp_that_cannot_run_fails_on_every_rank_naming_the_missing_piece(tmp_pat
             in errors["disagreeing_switches"]
         assert "cannot serve label_smoothing_factor=0.1" in errors["label_smoothing"]
         assert "cannot serve compute_loss_func=" in errors["compute_loss_func"]
+        assert ("cannot serve trainer_refusals.<locals>.ShardMeanLoss.compute_loss: it computes its training loss "
+                "without Trainer.compute_loss") in errors["own_compute_loss"]

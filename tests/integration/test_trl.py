@@ -8,7 +8,9 @@ its gradients (rel 1e-4), and the eval loss after training (rel 1e-5). The secon
 padding-free collator, whose varlen offsets ``cu_seq_lens_*`` the adapter turns into position_ids;
 DeepSpeed's adapter raises on them) and trains PEFT LoRA adapters with every ALST switch on. The first
 trains a Mixtral whose router load-balancing loss TRL's head adds, divided over the accumulation steps:
-under SP it is the whole sequence's, weighted the same way.
+under SP it is the whole sequence's, weighted the same way. TRL's DPOTrainer, whose loss is per sample and
+computed without the Trainer's ``compute_loss``, is refused at its first training forward (it trained
+silently wrong before: 0.25 away in update from itself without SP).
 """
 
 import pytest
@@ -33,3 +35,10 @@ def test_sft_trainer_trains_as_the_same_sft_trainer_without_sp(stage, packing, m
         errors = tc.compare({**res, "losses": res["logged"]}, want)
         assert errors["loss"] <= 1e-5 and errors["update"] <= 1e-4, errors
         assert abs(res["eval_loss"] - plain["eval_loss"]) <= 1e-5 * plain["eval_loss"]
+
+
+def test_a_trl_trainer_with_a_per_sample_loss_is_refused_naming_its_compute_loss(tmp_path):
+    for error in run_distributed(tc.dpo_trainer_refused, 2, str(tmp_path), timeout=600):
+        assert error.startswith("Ulysses SP (sp_size=2) cannot serve DPOTrainer.compute_loss: it computes its "
+                                "training loss without Trainer.compute_loss"), error
+        assert "return super().compute_loss(...)" in error

@@ -226,7 +226,8 @@ def trainer_packed(rank: int, world_size: int, switch: str, out_dir: str) -> dic
 def trainer_refusals(rank: int, world_size: int, out_dir: str) -> dict:
     """What used to train plain data parallelism or be refused: ``install()`` called after the Trainer was
     built (its loader is never wrapped), and the two switches disagreeing; what the SP loss would drop:
-    label smoothing and a ``compute_loss_func``. Returns each error message."""
+    label smoothing and a ``compute_loss_func``; a subclass whose ``compute_loss`` never calls the
+    Trainer's. Returns each error message."""
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
     from transformers import Trainer, TrainingArguments
@@ -262,6 +263,17 @@ def trainer_refusals(rank: int, world_size: int, out_dir: str) -> dict:
             dropped.train()
         except ValueError as err:
             errors[name] = str(err)
+
+    class ShardMeanLoss(Trainer):  # its own loss: each rank's shard mean, never Trainer.compute_loss
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return model(**inputs).loss
+
+    own = trainer()
+    own.__class__ = ShardMeanLoss
+    try:
+        own.train()
+    except ValueError as err:
+        errors["own_compute_loss"] = str(err)
     ds_ulysses.uninstall()
     return errors
 
@@ -311,10 +323,11 @@ def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: i
 
 def word_tokenizer():
     """A tokenizer over the tiny vocabulary (one word per id, built here: nothing is downloaded)."""
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="t0", unk_token="t1", eos_token="t2")
 
 
@@ -381,3 +394,40 @@ def sft_trainer_run(rank: int, world_size: int, stage: int, out_dir: str, sp: bo
               for n, p in trainer.model_wrapped.module.named_parameters() if p.requires_grad}
     return {"logged": [h["loss"] for h in trainer.state.log_history if "loss" in h], "start": start,
             "params": params, "eval_loss": eval_loss}
+
+
+def dpo_trainer_refused(rank: int, world_size: int, out_dir: str) -> str:
+    """TRL's DPOTrainer with SP at sp = world size, switched on by the section: its loss is per sample (a
+    sum of the completion's log-probabilities against a reference model's), computed in its own
+    ``compute_loss``, which never calls the Trainer's. Returns the error ``train()`` raised."""
+    import copy
+
+    import datasets
+    from trl import DPOConfig, DPOTrainer
+
+    import ds_ulysses
+    from examples.cpu_gloo import report_gloo_world
+
+    report_gloo_world()
+    ds_ulysses.install()
+    g = torch.Generator().manual_seed(0)
+
+    def words(low: int, high: int) -> str:
+        length = int(torch.randint(low, high, (1,), generator=g))
+        return "".join(f" t{i}" for i in torch.randint(3, VOCAB, (length,), generator=g).tolist())
+
+    pairs = [{"prompt": words(3, 12), "chosen": words(2, 15), "rejected": words(2, 15)} for _ in range(8)]
+    model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))
+    args = DPOConfig(output_dir=out_dir, per_device_train_batch_size=2, max_steps=1, learning_rate=LR, optim="sgd",
+                     report_to=[], save_strategy="no", disable_tqdm=True, bf16=False, max_length=None,
+                     pad_to_multiple_of=world_size,
+                     deepspeed=ds_config(1, {"sequence_parallel_size": world_size}))
+    trainer = DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args,
+                         train_dataset=datasets.Dataset.from_list(pairs), processing_class=word_tokenizer())
+    try:
+        trainer.train()
+    except ValueError as err:
+        return str(err)
+    finally:
+        ds_ulysses.uninstall()
+    return "trained"
