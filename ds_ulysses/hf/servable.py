@@ -73,6 +73,7 @@ def check_model_servable(config, model=None) -> None:
             f"(num_attention_heads={heads!r}); expected a transformer with num_attention_heads >= 1")
     _check_rope(text, model_type)
     if model is not None:
+        _check_head(model)
         _check_modules(model)
 
 
@@ -121,6 +122,23 @@ def decoder_of(model):
     if embeddings is not None and all(m is not embeddings for m in decoder.modules()):
         return model
     return decoder
+
+
+# Heads that read one position per sample, or normalise over the sequence's positions, from the hidden
+# states: under SP each rank would read its own shard's (its last token, its span logits).
+_SEQUENCE_HEAD = re.compile(r"For(SequenceClassification|QuestionAnswering|MultipleChoice)$")
+
+
+def _check_head(model) -> None:
+    get_base = getattr(model, "get_base_model", None)  # a PEFT wrapper: its model's head
+    base = get_base() if callable(get_base) else model
+    kind = type(base).__name__
+    if _SEQUENCE_HEAD.search(kind):
+        raise ValueError(
+            f"model not servable by Ulysses SP: {kind}'s head reads the sequence as a whole (the last token's state, "
+            "or positions normalised over the whole sequence), and under SP each rank holds only its shard, so "
+            "every rank would score its own shard, silently wrong; expected a causal LM (a per-token head, such "
+            f"as {kind.split('For')[0]}ForCausalLM); fix: train this model without sequence parallelism")
 
 
 def _check_modules(model) -> None:

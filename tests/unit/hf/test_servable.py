@@ -78,3 +78,29 @@ def test_static_rope_scaling_is_served():
     check_model_servable(tiny_config("llama", rope_scaling={"rope_type": "linear", "factor": 2.0}))
     check_model_servable(tiny_config("llama", rope_scaling={"rope_type": "yarn", "factor": 2.0,
                                                             "original_max_position_embeddings": 64}))
+
+
+@pytest.mark.parametrize("head", ["LlamaForSequenceClassification", "LlamaForQuestionAnswering", "peft"])
+def test_a_head_that_reads_the_sequence_as_a_whole_is_refused_naming_it(head):
+    import transformers
+
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    cfg.pad_token_id = 0
+    if head == "peft":
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(transformers.LlamaForSequenceClassification(cfg),
+                               LoraConfig(r=2, target_modules=["q_proj"], task_type="SEQ_CLS"))
+        head = "LlamaForSequenceClassification"
+    else:
+        model = getattr(transformers, head)(cfg)
+    with pytest.raises(ValueError, match=f"model not servable by Ulysses SP: {head}'s head reads the sequence as a "
+                                         "whole .* expected a causal LM .*LlamaForCausalLM"):
+        check_model_servable(cfg, model)
+
+
+@pytest.mark.parametrize("head", ["LlamaForCausalLM", "LlamaForTokenClassification", "LlamaModel"])
+def test_per_token_heads_and_a_bare_decoder_are_not_refused_for_their_head(head):
+    import transformers
+
+    cfg = tiny_config("llama", heads=4, kv_heads=2)
+    check_model_servable(cfg, getattr(transformers, head)(cfg))
