@@ -74,6 +74,7 @@ def check_model_servable(config, model=None) -> None:
     _check_rope(text, model_type)
     if model is not None:
         _check_head(model)
+        _check_prompt_learning(model)
         _check_modules(model)
 
 
@@ -139,6 +140,23 @@ def _check_head(model) -> None:
             "or positions normalised over the whole sequence), and under SP each rank holds only its shard, so "
             "every rank would score its own shard, silently wrong; expected a causal LM (a per-token head, such "
             f"as {kind.split('For')[0]}ForCausalLM); fix: train this model without sequence parallelism")
+
+
+def _check_prompt_learning(model) -> None:
+    """PEFT's prompt learning (prompt, prefix, p-tuning) puts virtual tokens in front of the sequence the
+    model is called with: under SP, in front of every rank's shard."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict):
+        return
+    found = [f"'{name}': {getattr(c.peft_type, 'value', c.peft_type)}" for name, c in configs.items()
+             if getattr(c, "is_prompt_learning", False)]
+    if found:
+        raise ValueError(
+            f"model not servable by Ulysses SP: PEFT prompt learning ({', '.join(found)}) puts its virtual tokens "
+            "in front of the sequence each forward gets (in its input embeddings, or in its keys and values), and "
+            "under SP that is every rank's shard, where the whole sequence has them once, before its first token; "
+            "expected adapters that change weights only (LoRA, IA3, ...); fix: train the adapter with LoRA, or "
+            "train prompt learning without sequence parallelism")
 
 
 def _check_modules(model) -> None:

@@ -104,3 +104,23 @@ def test_per_token_heads_and_a_bare_decoder_are_not_refused_for_their_head(head)
 
     cfg = tiny_config("llama", heads=4, kv_heads=2)
     check_model_servable(cfg, getattr(transformers, head)(cfg))
+
+
+@pytest.mark.parametrize("method", ["PromptTuningConfig", "PrefixTuningConfig", "PromptEncoderConfig"])
+def test_peft_prompt_learning_is_refused_naming_the_adapter(method):
+    import peft
+
+    model = peft.get_peft_model(tiny_model(tiny_config("llama", heads=4, kv_heads=2)),
+                                getattr(peft, method)(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    kind = model.peft_config["default"].peft_type.value
+    with pytest.raises(ValueError, match=f"model not servable by Ulysses SP: PEFT prompt learning \\('default': {kind}\\)"
+                                         " puts its virtual tokens in front of the sequence each forward gets"):
+        check_model_servable(model.config, model)
+
+
+def test_peft_lora_is_not_refused():
+    import peft
+
+    model = peft.get_peft_model(tiny_model(tiny_config("llama", heads=4, kv_heads=2)),
+                                peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    check_model_servable(model.config, model)
