@@ -31,7 +31,9 @@ def check_batch(batch, vocab_size: int | None = None) -> None:
     if not isinstance(batch, Mapping):
         raise ValueError(
             f"each batch must be a dict of tensors (input_ids [bs, sl], labels, position_ids); got a "
-            f"{type(batch).__name__}; fix: collate samples into a dict")
+            f"{type(batch).__name__}; fix: collate samples into a dict (a trainer whose loader yields raw samples "
+            "and builds the model's inputs itself, such as TRL's GRPOTrainer or RLOOTrainer generating "
+            "completions, cannot be served: train it without sequence parallelism)")
     for key in batch:
         if not isinstance(key, str):
             raise ValueError(f"batch keys must be strings, got {key!r}; fix: name every batch entry with a str")
