@@ -125,21 +125,30 @@ def decoder_of(model):
     return decoder
 
 
-# Heads that read one position per sample, or normalise over the sequence's positions, from the hidden
-# states: under SP each rank would read its own shard's (its last token, its span logits).
-_SEQUENCE_HEAD = re.compile(r"For(SequenceClassification|QuestionAnswering|MultipleChoice)$")
+# Heads SP cannot serve, with why: those that read one position per sample, or normalise over the
+# sequence's positions (each rank would read its own shard's), and per-token classification (the adapter
+# shifts labels for next-token prediction; its labels belong to their own position).
+_UNSERVED_HEADS = {
+    "SequenceClassification": "reads the sequence as a whole (the last token's state)",
+    "QuestionAnswering": "reads the sequence as a whole (span logits normalised over every position)",
+    "MultipleChoice": "reads the sequence as a whole (one score per choice)",
+    "TokenClassification": "labels each token in place, where the SP adapter shifts labels for next-token "
+                           "prediction, so every token would learn its neighbour's label",
+}
+_HEAD = re.compile(r"For(" + "|".join(_UNSERVED_HEADS) + r")$")
 
 
 def _check_head(model) -> None:
     get_base = getattr(model, "get_base_model", None)  # a PEFT wrapper: its model's head
     base = get_base() if callable(get_base) else model
     kind = type(base).__name__
-    if _SEQUENCE_HEAD.search(kind):
+    found = _HEAD.search(kind)
+    if found:
         raise ValueError(
-            f"model not servable by Ulysses SP: {kind}'s head reads the sequence as a whole (the last token's state, "
-            "or positions normalised over the whole sequence), and under SP each rank holds only its shard, so "
-            "every rank would score its own shard, silently wrong; expected a causal LM (a per-token head, such "
-            f"as {kind.split('For')[0]}ForCausalLM); fix: train this model without sequence parallelism")
+            f"model not servable by Ulysses SP: {kind}'s head {_UNSERVED_HEADS[found.group(1)]}; under SP each rank "
+            "holds a shard of the sequence and the loss is next-token prediction, so this model would train "
+            f"silently wrong; expected a causal LM (such as {kind[:found.start()]}ForCausalLM); fix: train this "
+            "model without sequence parallelism")
 
 
 def _check_prompt_learning(model) -> None:

@@ -80,8 +80,12 @@ def test_static_rope_scaling_is_served():
                                                             "original_max_position_embeddings": 64}))
 
 
-@pytest.mark.parametrize("head", ["LlamaForSequenceClassification", "LlamaForQuestionAnswering", "peft"])
-def test_a_head_that_reads_the_sequence_as_a_whole_is_refused_naming_it(head):
+@pytest.mark.parametrize("head,why", [
+    ("LlamaForSequenceClassification", "reads the sequence as a whole"),
+    ("LlamaForQuestionAnswering", "reads the sequence as a whole"),
+    ("LlamaForTokenClassification", "labels each token in place, where the SP adapter shifts labels"),
+    ("peft", "reads the sequence as a whole")])
+def test_a_head_that_is_not_a_causal_lm_s_is_refused_naming_it(head, why):
     import transformers
 
     cfg = tiny_config("llama", heads=4, kv_heads=2)
@@ -93,13 +97,13 @@ def test_a_head_that_reads_the_sequence_as_a_whole_is_refused_naming_it(head):
         head = "LlamaForSequenceClassification"
     else:
         model = getattr(transformers, head)(cfg)
-    with pytest.raises(ValueError, match=f"model not servable by Ulysses SP: {head}'s head reads the sequence as a "
-                                         "whole .* expected a causal LM .*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=f"model not servable by Ulysses SP: {head}'s head {why}.* expected a "
+                                         r"causal LM \(such as LlamaForCausalLM\)"):
         check_model_servable(cfg, model)
 
 
-@pytest.mark.parametrize("head", ["LlamaForCausalLM", "LlamaForTokenClassification", "LlamaModel"])
-def test_per_token_heads_and_a_bare_decoder_are_not_refused_for_their_head(head):
+@pytest.mark.parametrize("head", ["LlamaForCausalLM", "LlamaModel"])
+def test_a_causal_lm_and_a_bare_decoder_are_not_refused_for_their_head(head):
     import transformers
 
     cfg = tiny_config("llama", heads=4, kv_heads=2)
