@@ -309,17 +309,19 @@ def _serve_globally(dispatch: _Dispatch, uattn, model) -> None:
 
 
 def _adopt(model) -> None:
-    """Under a global registration: a causal decoder running a registered core gets the position hook,
-    and its text config is marked so its mask is not built."""
+    """Under a global registration: a causal decoder running a registered core is checked as a model given
+    to the registration is (a hybrid or a classifier built later is refused as it is built), gets the
+    position hook, and its text config is marked so its mask is not built."""
     decoder = decoder_of(model)
     text = text_config(decoder)
     dispatch = _dispatches.get(getattr(text, "_attn_implementation", None))
-    watcher = decoder.__dict__.get("_ulysses_hooks", (None,))[0]
-    if (dispatch is None or dispatch.global_attn is None or watcher is dispatch.global_attn
-            or decoder in dispatch.by_module):
-        return  # not this core's, already adopted, or served by its own (model-scope) registration
+    if dispatch is None or dispatch.global_attn is None or decoder in dispatch.by_module:
+        return  # not this core's, or served by its own (model-scope) registration
     if not _is_causal(decoder):
         return  # an encoder or a vision/audio tower: never SP's
+    check_model_servable(model.config, model)  # the head too: a decoder's own post_init runs before its model's
+    if decoder.__dict__.get("_ulysses_hooks", (None,))[0] is dispatch.global_attn:
+        return  # adopted already
     dispatch.sp_configs[id(text)] = (dispatch.global_attn, decoder)
     watch_decoder(decoder, dispatch.global_attn, owner=None, tag=_TAG)
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ds_ulysses import UlyssesSPAttentionHF, enable_sp_loss, unregister_from_transformers
 from tests.support.distributed import run_distributed
-from tests.support.models import VOCAB, rel_err, tiny_config, tiny_model
+from tests.support.models import VOCAB, hf_config, rel_err, tiny_config, tiny_model
 from tests.support.sp_cases import make_sample, reference_loss
 
 
@@ -244,6 +244,38 @@ def _deepspeed_contract(rank, world_size):
 def test_a_config_holder_registers_globally_for_models_built_later():
     for rank, res in enumerate(run_distributed(_deepspeed_contract, 2)):
         assert res["mpu"] == (2, rank) and res["err"] <= 1e-5, res
+
+
+def _built_later(rank, world_size, config_dir):
+    """Models built after a registration by name: what building each raised (None: served)."""
+    import transformers
+
+    UlyssesSPAttentionHF.register_with_transformers(config_dir, "sdpa", world_size, 1)
+    hybrid = hf_config("qwen3_next", layer_types=["linear_attention", "full_attention"], head_dim=8,
+                       linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+                       linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1)
+    builds = {"causal_lm": lambda: transformers.AutoModelForCausalLM.from_pretrained(config_dir, attn_implementation="sdpa"),
+              "token_classifier": lambda: transformers.AutoModelForTokenClassification.from_pretrained(
+                  config_dir, attn_implementation="sdpa"),
+              "hybrid": lambda: transformers.AutoModelForCausalLM.from_config(hybrid, attn_implementation="sdpa")}
+    errors = {}
+    for name, build in builds.items():
+        try:
+            build()
+            errors[name] = None
+        except ValueError as err:
+            errors[name] = str(err)
+    unregister_from_transformers()
+    return errors
+
+
+def test_models_built_after_a_registration_by_name_are_checked_as_they_are_built(tmp_path):
+    tiny_model(tiny_config("llama", heads=4)).save_pretrained(tmp_path)
+    for errors in run_distributed(_built_later, 2, str(tmp_path)):
+        assert errors["causal_lm"] is None
+        assert "model not servable by Ulysses SP: LlamaForTokenClassification's head labels each token in place" \
+            in errors["token_classifier"]
+        assert "model not servable by Ulysses SP: layer_types has ['linear_attention']" in errors["hybrid"]
 
 
 def test_a_loaded_model_running_another_core_is_refused_like_deepspeed():
