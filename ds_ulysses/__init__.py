@@ -6,7 +6,8 @@ Entry points:
   :func:`uninstall` undoes every change the package made to the process.
 - :class:`UlyssesSPAttentionHF` (``register_with_transformers``), :class:`UlyssesSPDataLoaderAdapter`:
   the drop-in API of DeepSpeed's ALST module.
-- :func:`sequence_tiled_compute`, :class:`TiledMLP`, :class:`TiledFusedLogitsLoss`: tiled compute.
+- :func:`sequence_tiled_compute`, :class:`TiledMLP`, :class:`TiledFusedLogitsLoss`: tiled compute
+  (:class:`AutogradComputeMLP`: DeepSpeed's recompute-in-backward MLP, one tile).
 """
 
 from .config import UlyssesConfig, UlyssesConfigError, load_schema, parse_ds_config
@@ -14,12 +15,13 @@ from .distributed import Mesh, SPCommError, build_mesh
 from .engine import initialize, install, uninstall
 from .hf import (UlyssesSPAttentionHF, disable_activation_checkpoint_offload, enable_activation_checkpoint_offload,
                  enable_sp_loss, register_with_transformers, tiled_causal_lm_loss, unregister_from_transformers)
-from .memory import SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute, tile_mlps, untile_mlps
+from .memory import (AutogradComputeMLP, SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute,
+                     tile_mlps, untile_mlps)
 from .sp import UlyssesSPDataLoaderAdapter, sp_loss_from_logits
 
 __all__ = [
     "UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter", "sequence_tiled_compute", "SequenceTiledCompute",
-    "TiledMLP", "TiledFusedLogitsLoss", "initialize", "install", "uninstall",
+    "TiledMLP", "TiledFusedLogitsLoss", "AutogradComputeMLP", "initialize", "install", "uninstall",
     "UlyssesConfig", "UlyssesConfigError", "SPCommError", "parse_ds_config", "load_schema", "Mesh", "build_mesh",
     "register_with_transformers", "unregister_from_transformers", "enable_sp_loss", "sp_loss_from_logits",
     "tiled_causal_lm_loss", "tile_mlps", "untile_mlps", "enable_activation_checkpoint_offload",

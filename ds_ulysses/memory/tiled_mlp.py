@@ -12,7 +12,7 @@ from .tile_grads import TileGrads
 from .tiles import agree_on_shards, auto_mlp_shards, one_grad_per_input, positive_int, seq_tile, tile_bounds, \
     trainable_params, zero3_fetch_with, zero3_whole
 
-__all__ = ["TiledMLP"]
+__all__ = ["TiledMLP", "AutogradComputeMLP"]
 
 
 class TiledMLP(Function):
@@ -83,3 +83,20 @@ class TiledMLP(Function):
         grads.write_undeclared()
         x_grad = None if x_grad is None else x_grad.view(shape)
         return one_grad_per_input(TiledMLP.forward, x=x_grad, varargs=grads.declared_grads())
+
+
+class AutogradComputeMLP:
+    """DeepSpeed's ``AutogradComputeMLP``: ``AutogradComputeMLP.apply(fn, module, x)`` is ``fn(module, x)``
+    without its activations kept for backward, which recomputes it. It is :class:`TiledMLP` with one tile:
+    ``fn`` sees ``x`` with its own shape in forward and in backward (where TiledMLP passes flattened
+    tokens), and the gradients of ``module``'s trainable parameters reach autograd once per backward, as
+    ZeRO-3 needs."""
+
+    @staticmethod
+    def apply(fn, module, x):
+        def whole(mod, tile):
+            if tile.shape == x.shape:
+                return fn(mod, tile)
+            return fn(mod, tile.view(x.shape)).reshape(tile.shape[0], -1)  # backward's [n, h] tokens
+
+        return TiledMLP.apply(whole, module, x, 1, None)

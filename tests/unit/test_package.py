@@ -111,6 +111,18 @@ def test_every_public_name_is_exported_and_importable():
     assert public <= set(ds_ulysses.__all__), public - set(ds_ulysses.__all__)
 
 
+def test_every_public_name_of_deepspeed_s_module_is_ours_too():
+    """The drop-in promise, name by name: each class and function DeepSpeed's ALST module defines."""
+    import inspect
+
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+
+    theirs = {n for n, v in vars(ulysses_sp).items() if not n.startswith("_")
+              and (inspect.isclass(v) or inspect.isfunction(v)) and v.__module__ == ulysses_sp.__name__}
+    assert "UlyssesSPAttentionHF" in theirs
+    assert theirs <= set(ds_ulysses.__all__), theirs - set(ds_ulysses.__all__)
+
+
 def _number_literals(path):
     """Every integer literal in code (docstrings and messages excluded), as (value, line)."""
     for node in ast.walk(ast.parse(path.read_text())):

@@ -7,7 +7,7 @@ import torch
 from deepspeed.runtime.sequence_parallel import ulysses_sp as deepspeed_alst
 from torch import nn
 
-from ds_ulysses.memory import TiledMLP
+from ds_ulysses.memory import AutogradComputeMLP, TiledMLP
 
 from .helpers import SPLITS, TOL, GatedMLP, LoraLinear, assert_close, count_accumulations, grads_of, mlp_fn, rel, \
     tile_sizes
@@ -57,6 +57,26 @@ def test_matches_deepspeed_called_from_the_mlp_forward(bs, sl, shards):
     got = grads_of(0.5 * (got_y * w).sum(), [x, *ours.parameters()])
     assert rel(got_y, want_y) <= TOL
     assert_close(got, want, "grad")
+
+
+@pytest.mark.parametrize("shape", [(1, 9, 16), (2, 5, 16), (7, 16)])
+def test_autograd_compute_mlp_matches_deepspeed_s_and_the_plain_mlp(shape):
+    """DeepSpeed's AutogradComputeMLP recomputes ``fn`` in backward on ``x`` as it came: so does ours, with
+    the values and gradients of the plain MLP and of DeepSpeed's on the same inputs."""
+    torch.manual_seed(0)
+    mlp = GatedMLP()
+    seen = {"ours": [], "deepspeed": []}
+    x = torch.randn(*shape, requires_grad=True)
+    w = torch.randn(*shape)
+    inputs = [x, *mlp.parameters()]
+    want_y = mlp(x)
+    want = grads_of((want_y * w).sum(), inputs)
+    for name, lib in (("ours", AutogradComputeMLP), ("deepspeed", deepspeed_alst.AutogradComputeMLP)):
+        y = lib.apply(lambda m, t, shapes=seen[name]: shapes.append(tuple(t.shape)) or GatedMLP.forward(m, t), mlp, x)
+        got = grads_of((y * w).sum(), inputs)
+        assert rel(y, want_y) <= TOL
+        assert_close(got, want, "grad")
+    assert seen["ours"] == seen["deepspeed"] == [shape, shape]
 
 
 @pytest.mark.parametrize("sl,shards", SPLITS + [(7, 4)])
