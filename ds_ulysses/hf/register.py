@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 import weakref
 
 import torch
@@ -55,11 +56,11 @@ class UlyssesSPAttentionHF(UlyssesAttention):
     @classmethod
     def register_with_transformers(cls, model_name_or_path, core_attn_implementation, sequence_parallel_size,
                                    micro_batch_size, seq_length=None, seq_length_is_variable=True,
-                                   disable_in_eval=False, *, mesh=None, scope="global"):
+                                   disable_in_eval=False, max_length=None, *, mesh=None, scope="global"):
         """See :func:`register_with_transformers` (returns the ``mpu``)."""
         return register_with_transformers(model_name_or_path, core_attn_implementation, sequence_parallel_size,
                                           micro_batch_size, seq_length, seq_length_is_variable, disable_in_eval,
-                                          mesh=mesh, scope=scope)
+                                          max_length, mesh=mesh, scope=scope)
 
 
 class _Dispatch:
@@ -189,7 +190,8 @@ def _check_matching_core(holder, core: str) -> None:
 
 def register_with_transformers(model_name_or_path, core_attn_implementation, sequence_parallel_size,
                                micro_batch_size, seq_length=None, seq_length_is_variable=True,
-                               disable_in_eval=False, *, mesh: Mesh | None = None, scope: str = "global"):
+                               disable_in_eval=False, max_length=None, *, mesh: Mesh | None = None,
+                               scope: str = "global"):
     """Make attention run Ulysses SP; returns the ``mpu`` for ``deepspeed.initialize(mpu=...)`` (None when
     sequence_parallel_size is 1).
 
@@ -197,10 +199,17 @@ def register_with_transformers(model_name_or_path, core_attn_implementation, seq
     config is read). ``scope="global"`` (DeepSpeed's behaviour) serves every causal model that runs
     the core, including models built later; ``scope="model"`` only the given model (an
     ``nn.Module``), whose attention is switched to the core. ``mesh`` reuses an existing
-    :class:`~ds_ulysses.distributed.mesh.Mesh`.
+    :class:`~ds_ulysses.distributed.mesh.Mesh`. ``max_length`` is DeepSpeed's deprecated name for
+    ``seq_length``, used (with a warning) where ``seq_length`` is not given, as DeepSpeed does.
     """
     if sequence_parallel_size == 1:
         return None
+    if max_length is not None:
+        warnings.warn(f"max_length={max_length} is deprecated (DeepSpeed's old name for seq_length); pass "
+                      f"seq_length={max_length}" + ("" if seq_length is None else
+                                                    f" (seq_length={seq_length} is given, and it is used)"),
+                      FutureWarning, stacklevel=2)
+        seq_length = max_length if seq_length is None else seq_length
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}; fix: 'global' (DeepSpeed's behaviour: "
                          "every model running the core) or 'model' (only the given model)")

@@ -11,11 +11,14 @@ Tolerances: the same fp32 ops in a different order (all-to-all layouts), so 1e-6
 activations; losses and gradients through ZeRO 1e-5 / 1e-4 as everywhere in this suite.
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import ds_ulysses
+from ds_ulysses.hf import register as register_module
 from tests.support.distributed import run_distributed
 from tests.support.engine_cases import full_fp32_param
 from tests.support.models import rel_err, tiny_config, tiny_model
@@ -304,15 +307,19 @@ def test_a_checkpoint_of_either_module_resumes_under_the_other(saver, loader, tm
 def _mpus(rank, world_size):
     out = {}
     for name, module in _both().items():
-        mpu = module.UlyssesSPAttentionHF.register_with_transformers(cfg_holder(tiny_config("llama")), "sdpa",
-                                                                      world_size, 1)
+        with warnings.catch_warnings(record=True):  # max_length: DeepSpeed's deprecated name for seq_length
+            warnings.simplefilter("always")
+            mpu = module.UlyssesSPAttentionHF.register_with_transformers(
+                cfg_holder(tiny_config("llama")), "sdpa", world_size, 1, None, False, False, 16)
         out[name] = {"sp": (mpu.get_sequence_parallel_world_size(), mpu.get_sequence_parallel_rank(),
                             dist.get_process_group_ranks(mpu.get_sequence_parallel_group())),
                      "sp_dp": (mpu.get_sequence_data_parallel_world_size(), mpu.get_sequence_data_parallel_rank())}
+    out["fixed_length"] = register_module._dispatches["sdpa"].global_attn.global_seq_length
     ds_ulysses.uninstall()
     return out
 
 
-def test_the_mpu_answers_like_deepspeed_s():
+def test_the_mpu_answers_like_deepspeed_s_and_max_length_is_its_seq_length():
     for res in run_distributed(_mpus, 2):
         assert res["ours"] == res["deepspeed"], res
+        assert res["fixed_length"] == 16
