@@ -7,6 +7,7 @@ import re
 import types
 
 import pytest
+import torch
 
 import ds_ulysses
 from tests.support import REPO
@@ -121,6 +122,48 @@ def test_every_public_name_of_deepspeed_s_module_is_ours_too():
               and (inspect.isclass(v) or inspect.isfunction(v)) and v.__module__ == ulysses_sp.__name__}
     assert "UlyssesSPAttentionHF" in theirs
     assert theirs <= set(ds_ulysses.__all__), theirs - set(ds_ulysses.__all__)
+
+
+def _deepspeed_calls():
+    """(name, DeepSpeed's callable, ours) for each public function and method of DeepSpeed's ALST module an
+    import switch reaches with its own arguments (not autograd's ``forward``/``backward``/``apply``, which
+    take DeepSpeed's arguments through ``apply`` and are compared side by side in tests/unit/memory)."""
+    import inspect
+
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+
+    for name, value in vars(ulysses_sp).items():
+        if name.startswith("_") or getattr(value, "__module__", None) != ulysses_sp.__name__:
+            continue
+        ours = getattr(ds_ulysses, name)
+        if inspect.isfunction(value):
+            yield name, value, ours
+        elif inspect.isclass(value) and not issubclass(value, torch.autograd.Function):
+            yield name, value.__init__, ours.__init__
+            for method, member in vars(value).items():
+                if not method.startswith("_") and callable(getattr(value, method)):
+                    yield f"{name}.{method}", getattr(value, method), getattr(ours, method)
+
+
+def _bound_as(param):
+    """What a call binds to: a named parameter by its name and kind, ``*args``/``**kwargs`` by kind alone."""
+    return (param.kind,) if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) else (param.name, param.kind)
+
+
+def test_deepspeed_s_positional_parameters_are_ours_in_the_same_order():
+    """A call written for DeepSpeed's module binds the same way to ours: DeepSpeed's parameters, in order,
+    are the first of ours (ours may add keyword-only ones, or trailing ones with defaults)."""
+    import inspect
+
+    checked = 0
+    for name, theirs, ours in _deepspeed_calls():
+        want = [_bound_as(p) for p in inspect.signature(theirs).parameters.values()]
+        got = [_bound_as(p) for p in inspect.signature(ours).parameters.values()]
+        assert got[:len(want)] == want, (name, want, got)
+        assert all(p.default is not p.empty or p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD)
+                   for p in list(inspect.signature(ours).parameters.values())[len(want):]), name
+        checked += 1
+    assert checked >= 5
 
 
 def _number_literals(path):
