@@ -38,6 +38,7 @@ from .hf.checkpointing import check_checkpoint_offload, enable_activation_checkp
 from .hf.loss import enable_sp_loss, tiled_causal_lm_loss
 from .hf.model_facts import layout_facts, text_config, vocab_size
 from .hf.register import UlyssesSPAttentionHF, register_with_transformers, sp_attention_of
+from .hf.router_loss import router_logits_tiles
 from .hf.servable import decoder_of
 from .hf.trainer import install_accelerate
 from .memory.host import trim_host_heap
@@ -122,7 +123,7 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
     adapter's shards.
     """
     if section.tiled_mlp.enabled:  # refusals first, before anything changes
-        _refuse_tiled_router_loss(model)
+        router_side = _router_side(model)
         _require_mlps(model)
     if section.activation_checkpoint_offload.enabled:
         check_checkpoint_offload(model)
@@ -142,7 +143,7 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
     loss_fn = tiled_causal_lm_loss(section.tiled_loss.shards, mesh.sp_watch) if section.tiled_loss.enabled else None
     enable_sp_loss(model, mesh.sp_group, grad_scale, loss_fn, watch=mesh.sp_watch)
     if section.tiled_mlp.enabled:
-        tile_mlps(model, section.tiled_mlp.shards)
+        tile_mlps(model, section.tiled_mlp.shards, router_side)
     if section.activation_checkpoint_offload.enabled:
         enable_activation_checkpoint_offload(model)
 
@@ -163,17 +164,19 @@ def _require_mlps(model) -> None:
         "feed-forward yourself with ds_ulysses.TiledMLP or sequence_tiled_compute")
 
 
-def _refuse_tiled_router_loss(model) -> None:
-    """TiledMLP runs a MoE block's forward without autograd, so a router loss computed from its logits
-    would train nothing: refused before anything changes."""
-    if getattr(text_config(model), "output_router_logits", False):
+def _router_side(model):
+    """What TiledMLP needs to serve a MoE model's router logits (:func:`router_logits_tiles`); a model that
+    trains its router loss on a Transformers without it is refused before anything changes: TiledMLP runs each
+    MoE block without autograd, so the loss would train nothing."""
+    side = router_logits_tiles()
+    if side is None and getattr(text_config(model), "output_router_logits", False):
         raise ValueError(
-            f"tiled_mlp cannot serve {type(model).__name__} with output_router_logits=True: TiledMLP runs each MoE "
-            "block's forward tile by tile without autograd (and again in backward), so the router logits that the "
-            "load-balancing loss is computed from would carry no gradient and the loss would train nothing; "
-            "expected tiled_mlp off for a MoE model that trains its router loss; fix: set \"tiled_mlp\": "
-            "{\"enabled\": false}, or set config.output_router_logits = False (in TRL's SFTConfig, "
-            "router_aux_loss_coef=0.0)")
+            f"tiled_mlp cannot serve {type(model).__name__} with output_router_logits=True on this Transformers: it "
+            "records router logits without the output-capturing collector TiledMLP hands their gradient through, so "
+            "the load-balancing loss would train nothing; expected Transformers 5 (its "
+            "transformers.utils.output_capturing); fix: set \"tiled_mlp\": {\"enabled\": false}, or set "
+            "config.output_router_logits = False (in TRL's SFTConfig, router_aux_loss_coef=0.0)")
+    return side
 
 
 def _refuse_leaves_inside_mlps(model) -> None:

@@ -193,10 +193,11 @@ def _with_router_loss(model, outputs, attention_mask, router, fused, from_decode
         # without SP the loss would train nothing silently; a user who turned it on wants it trained
         raise ValueError(
             f"{type(model).__name__}'s router logits reached the SP loss without a gradient, so its router "
-            "load-balancing loss would train nothing (a tiled MLP, or reentrant gradient checkpointing, runs the MoE "
-            "block's forward without autograd and recomputes it in backward); expected router logits from an "
-            "autograd forward; fix: gradient_checkpointing_kwargs={'use_reentrant': False}, turn tiled_mlp off for "
-            "this model, or set config.output_router_logits = False")
+            "load-balancing loss would train nothing (reentrant gradient checkpointing, or a tiled MLP applied by "
+            "hand rather than by the ulysses section's tiled_mlp, runs the MoE block's forward without autograd and "
+            "recomputes it in backward); expected router logits from an autograd forward; fix: "
+            "gradient_checkpointing_kwargs={'use_reentrant': False}, tile the MLPs with the section's tiled_mlp, or "
+            "set config.output_router_logits = False")
     outputs.loss = outputs.loss + router_coef(model, fused) * aux.to(outputs.loss.device)
     return outputs
 

@@ -11,6 +11,10 @@ whose loss has another form is refused by name, never approximated) and puts a d
 the model's module and in Mixtral's (where TRL imports it from at call time). Inside :func:`sp_router_scope`
 (the SP loss's forward) the dispatcher computes the whole sequence's loss from the SP group's summed
 statistics; anywhere else it is the original, so other models and evaluation are untouched.
+
+Under ``tiled_mlp`` a MoE block runs tile by tile without autograd; :func:`router_logits_tiles` gives
+:class:`~ds_ulysses.memory.tiled_mlp.TiledMLP` what it needs to hand the model router logits that carry
+the gradient (the tiles' recordings, joined, as outputs of the tiled Function).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from ..patching import PATCHES
 from ..sp.router_loss import load_balancing_loss
 from .model_facts import config_value, text_config
 
-__all__ = ["RouterFacts", "router_facts", "sp_router_scope", "router_coef", "whole_router_loss"]
+__all__ = ["RouterFacts", "router_facts", "sp_router_scope", "router_coef", "whole_router_loss",
+           "router_logits_tiles"]
 
 _TAG = "sp_router_loss"
 _FUNCTION = "load_balancing_loss_func"
@@ -109,6 +114,49 @@ def sp_router_scope(group, grad_scale: float, watch: GroupWatch | None):
 def whole_router_loss(router_logits, facts: RouterFacts, attention_mask) -> torch.Tensor:
     """The sequence's router loss from this rank's ``router_logits`` (inside :func:`sp_router_scope`)."""
     return load_balancing_loss(tuple(router_logits), facts.num_experts, facts.top_k, attention_mask, *_SCOPE.get())
+
+
+class _RouterLogitsTiles:
+    """TiledMLP's ``side`` for router logits, which Transformers' output-capturing hooks record from inside a
+    MoE block into the collector of the model call (``collector``, its context variable)."""
+
+    KEY = "router_logits"
+
+    def __init__(self, collector):
+        self.collector = collector
+
+    @contextlib.contextmanager
+    def recording(self, backward: bool):
+        """The router logits the calls inside record, taken from the call's collector; in backward (no model
+        call is collecting then) from a collector of its own."""
+        token, active = None, self.collector.get()
+        if backward:
+            active = {self.KEY: []}
+            token = self.collector.set(active)
+        elif active is None or self.KEY not in active:
+            yield []  # the call records no router logits: nothing to serve
+            return
+        start, got = len(active[self.KEY]), []
+        try:
+            yield got
+        finally:
+            got.extend(active[self.KEY][start:])
+            del active[self.KEY][start:]
+            if token is not None:
+                self.collector.reset(token)
+
+    def keep(self, tensors) -> None:
+        self.collector.get()[self.KEY].extend(tensors)
+
+
+def router_logits_tiles():
+    """TiledMLP's ``side`` for the router logits of Transformers' MoE blocks; None where this Transformers
+    records them some other way than its output-capturing collector."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    return _RouterLogitsTiles(_active_collector)
 
 
 def _dispatch(original, gate_logits, num_experts=None, top_k=2, attention_mask=None):

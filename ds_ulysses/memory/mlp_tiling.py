@@ -14,14 +14,15 @@ __all__ = ["tile_mlps", "untile_mlps", "mlp_modules"]
 _TAG = "tiled_mlp"
 
 
-def tile_mlps(model, shards="auto"):
+def tile_mlps(model, shards="auto", side=None):
     """Run every module named `mlp` in `model` through `TiledMLP`, without editing model code.
 
     Each MLP's own forward is called per tile (gate/up/down Llama MLPs and any token-wise MLP alike)
     with the rank of its input (backward's flattened `[n_t, h]` tiles as `[1, n_t, h]`), through an
     instance attribute that shadows the class's forward, so other models of the same class are
     untouched. `shards` is an int or "auto" (`ceil(sl / h)`, agreed over ranks). The MLP must
-    return one tensor (MoE blocks that also return router logits are not supported). Idempotent;
+    return one tensor (MoE blocks that also return router logits are not supported; router logits
+    the model records from inside the block are, through `side`: see `TiledMLP`). Idempotent;
     returns how many MLPs run tiled after the call. Undone by `untile_mlps` or `ds_ulysses.uninstall`.
     """
     if shards != "auto":
@@ -32,6 +33,7 @@ def tile_mlps(model, shards="auto"):
             untiled = module.forward
             PATCHES.set_attr(module, "forward", functools.partial(_tiled_mlp_forward, module, untiled), _TAG, module)
         PATCHES.set_attr(module, "_ds_ulysses_shards", shards, _TAG, module)
+        PATCHES.set_attr(module, "_ds_ulysses_side", side, _TAG, module)
         count += 1
     return count
 
@@ -60,4 +62,4 @@ def _tiled_mlp_forward(module, forward, x, *args, **kwargs):
         lifted = tile.view((1,) * (rank - 2) + tuple(tile.shape))
         return forward(lifted, *args, **kwargs).reshape(tile.shape[0], -1)
 
-    return TiledMLP.apply(per_tile, module, x, module._ds_ulysses_shards, None)
+    return TiledMLP.apply(per_tile, module, x, module._ds_ulysses_shards, None, module._ds_ulysses_side)

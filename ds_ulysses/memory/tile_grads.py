@@ -77,16 +77,21 @@ class TileGrads:
         element of it, zeros where the tile's input got none: so the input's gradient can be allocated
         uninitialised, and no pass zero-fills it first. `weight` (a float) is applied to the gradients,
         not folded into `grad_out`, so it is not rounded to a bf16 `grad_out`'s precision first
-        (213/425 would become 0.5)."""
+        (213/425 would become 0.5). `out` and `grad_out` may be lists (a tile's several outputs, in one
+        backward)."""
         if self._handles is None:
             raise RuntimeError(f"{self.who}: TileGrads.backprop runs inside `with grads.hooked():`, or the "
                                "parameter gradients would be dropped")
         wants_tile = tile is not None and tile.requires_grad
-        if not out.requires_grad:
+        pairs = [(o, g) for o, g in (zip(out, grad_out) if isinstance(out, (list, tuple)) else [(out, grad_out)])
+                 if o.requires_grad]
+        if not pairs:
             if wants_tile:
                 into.zero_()
             return
-        others = [leaf for leaf in _leaves(out, self.who) if id(leaf) not in self._declared_ids and leaf is not tile]
+        outs, grads_out = [o for o, _ in pairs], [g for _, g in pairs]
+        others = list({id(leaf): leaf for o in outs for leaf in _leaves(o, self.who)
+                       if id(leaf) not in self._declared_ids and leaf is not tile}.values())
         for leaf in others:
             if id(leaf) not in self.undeclared:
                 self._check_undeclared(leaf)
@@ -94,7 +99,7 @@ class TileGrads:
                 self._handles.append(leaf.register_hook(self._taking(self.undeclared[id(leaf)][1])))
         self._weight, self._keep = weight, keep
         try:
-            got = torch.autograd.grad(out, ([tile] if wants_tile else []) + self.declared + others, grad_out,
+            got = torch.autograd.grad(outs, ([tile] if wants_tile else []) + self.declared + others, grads_out,
                                       allow_unused=True)
         finally:
             self._weight = None

@@ -67,8 +67,8 @@ def load_balancing_loss(gate_logits: tuple[torch.Tensor, ...], num_experts: int,
             raise ValueError(
                 f"the router load-balancing loss got {gate.shape[0]} routed tokens in a layer but an attention mask "
                 f"of {mask.numel()} tokens; expected one mask entry per routed token (the mask of this rank's "
-                "shard, [bs, sl_l]); fix: pass the batch's attention_mask as the adapter sharded it, or none (a tiled "
-                "MLP routes tile by tile: turn tiled_mlp off for a model that trains its router loss)")
+                "shard, [bs, sl_l]); fix: pass the batch's attention_mask as the adapter sharded it, or none (a MoE "
+                "block tiled by hand records its routing tile by tile: tile it with the ulysses section's tiled_mlp)")
         routing = torch.softmax(gate, dim=-1)  # [n E]
         chosen = torch.topk(routing, top_k, dim=-1).indices.reshape(-1)  # [n*k]
         weight = torch.ones_like(chosen, dtype=torch.float32) if mask is None else mask.repeat_interleave(top_k)

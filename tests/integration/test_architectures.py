@@ -2,10 +2,10 @@
 
 One SP step at sp 2 on 2 gloo ranks vs the unsharded model, through the drop-in API and (tiled loss,
 ZeRO-3; a few with tiled MLPs, checkpoint offload or both with the loss in tiles) through
-``ds_ulysses.initialize``, MoE router losses among them, and Llama in other layouts (sp 4, a padded length,
-2 rows, with Mixtral's router loss too; dp 2 x sp 2 for 3 steps; 2 micro-batches per step, Mixtral among it;
-bf16 at ZeRO-1 and fp16 at ZeRO-2, and Gemma 3 in bf16 at ZeRO-3); the full sweep is
-``python -m tests.architectures``.
+``ds_ulysses.initialize``, MoE router losses among them (tiled MoE blocks too, on 2 padded rows), and Llama
+in other layouts (sp 4, a padded length, 2 rows, with Mixtral's router loss too; dp 2 x sp 2 for 3 steps;
+2 micro-batches per step, Mixtral among it; bf16 at ZeRO-1 and fp16 at ZeRO-2, and Gemma 3 in bf16 at
+ZeRO-3); the full sweep is ``python -m tests.architectures``.
 A model is never allowed to come out ``wrong`` (silently off) or ``crash``; a refusal must name the
 real cause.
 """
@@ -43,16 +43,15 @@ ENGINE = ["llama@tiled", "cohere@tiled", "granite@tiled", "gemma3_text@tiled",
           "longcat_flash@tiled",  # MoE with identity experts, its block a ZeRO-3 leaf (without, gloo aborts the step)
           "mixtral@mlp",          # tiled MLPs; the MoE block is a ZeRO-3 leaf by DeepSpeed's default
           "qwen2_moe+aux@tiled",  # a router loss beside the tiled loss, which runs the decoder itself
-          "mixtral+aux@mlp",      # a router loss from tiled MoE blocks would train nothing: refused
+          "mixtral+aux@mlp",      # a router loss from tiled MoE blocks: their joined router logits carry the gradient
           "longcat_flash@mlp",    # tiled MLPs, the tiled block the leaf
           "opt@mlp",              # no module named mlp: tiled_mlp refused, not silently off
           "llama@offload",        # checkpointed layers with their inputs on the host
           "gemma3_text@all-tools"]  # loss tiles, tiled MLPs and offload at once; a tied, soft-capped head
 # the cause a refusal must name
-REFUSED_FOR = {"opt@mlp": "tiled_mlp is enabled but OPTForCausalLM's decoder has no module named 'mlp'",
-               "mixtral+aux@mlp": "tiled_mlp cannot serve MixtralForCausalLM with output_router_logits=True"}
+REFUSED_FOR = {"opt@mlp": "tiled_mlp is enabled but OPTForCausalLM's decoder has no module named 'mlp'"}
 # served, never refused
-EXACT = {"llama", "mixtral", "mixtral+aux", "llama@tiled", "qwen2_moe+aux@tiled"}
+EXACT = {"llama", "mixtral", "mixtral+aux", "llama@tiled", "qwen2_moe+aux@tiled", "mixtral+aux@mlp"}
 
 
 def _names(params) -> list[str]:
@@ -102,6 +101,16 @@ def test_the_sweep_runs_in_another_layout():
         assert rec["status"] == "exact", summary(rec)
         assert rec["shard_shape"] == [2, 18]
         assert [len(rec["steps"][kind]) for kind in ("plain", "packed")] == [4, 4]  # one step per rank's sample
+
+
+@pytest.mark.slow
+def test_tiled_moe_blocks_give_the_router_loss_their_logits_in_token_order():
+    """``--length 63 --batch 2`` with tiled MLPs (4 tiles) and Mixtral's router loss: each micro-batch has 2 rows
+    the adapter pads, and a tile records its router logits batch-major, so the tiles' logits must be joined
+    in token order to meet the padding mask (joined tile after tile, the gate's gradient is 0.13 away)."""
+    rec = run_cases(["mixtral+aux@mlp"], "engine", sp=2, length=63, docs=[20, 30, 13], batch=2,
+                    case_timeout=120)["mixtral+aux@mlp"]
+    assert rec["status"] == "exact", summary(rec)
 
 
 @pytest.mark.slow

@@ -1,13 +1,14 @@
 """The SP loss on a Transformers model: shift_labels win over labels, a MoE router's load-balancing loss
-is added as the model adds it, and one of another form is refused by name. Single process (no SP group):
+is added as the model adds it (from tiled MoE blocks too), and one of another form is refused by name. Single process (no SP group):
 the SP loss is then the plain token mean, checked against cross-entropy on the model's own logits."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_ulysses import enable_sp_loss, tiled_causal_lm_loss
+from ds_ulysses import enable_sp_loss, tiled_causal_lm_loss, tile_mlps, untile_mlps
 from ds_ulysses.hf.loss import disable_sp_loss
+from ds_ulysses.hf.router_loss import router_logits_tiles
 from tests.support.models import rel_err, tiny_config, tiny_model
 
 
@@ -66,6 +67,33 @@ def test_a_router_loss_of_another_form_is_refused_naming_the_function(monkeypatc
     with pytest.raises(ValueError, match="computed a router load-balancing loss in an SP forward, but its function is "
                                          "not one the SP loss serves"):
         model(input_ids=ids, shift_labels=ids, output_router_logits=True)
+    disable_sp_loss(model)
+
+
+@pytest.mark.parametrize("loss_fn", [None, tiled_causal_lm_loss(3)], ids=["logits", "tiled"])
+def test_tiled_moe_blocks_give_the_router_loss_logits_that_carry_its_gradient(loss_fn):
+    """Tiled MLPs (3 tiles over 2 padded rows) with Transformers' router-logit recording served: the loss,
+    the router loss and every gradient are Mixtral's own from labels; without that service each tile's router
+    logits reach the loss on their own (and without a gradient), and that is refused."""
+    model = _moe()
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, 10:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    own = model(input_ids=ids, attention_mask=mask, labels=labels)
+    want = [g.clone() for g in torch.autograd.grad(own.loss, list(model.parameters()))]
+    shift = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
+    enable_sp_loss(model, loss_fn=loss_fn)
+    tile_mlps(model, 3, router_logits_tiles())
+    got = model(input_ids=ids, attention_mask=mask, shift_labels=shift)
+    assert rel_err(got.loss, own.loss) <= 1e-6 and rel_err(got.aux_loss, own.aux_loss) <= 1e-6
+    grads = torch.autograd.grad(got.loss, list(model.parameters()))
+    assert max(rel_err(g, w, 1e-8) for g, w in zip(grads, want)) <= 1e-5
+    tile_mlps(model, 3, None)
+    with pytest.raises(ValueError, match="the router load-balancing loss got 8 routed tokens in a layer but an "
+                                         "attention mask of 24 tokens"):
+        model(input_ids=ids, attention_mask=mask, shift_labels=shift)
+    untile_mlps(model)
     disable_sp_loss(model)
 
 

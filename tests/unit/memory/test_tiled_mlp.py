@@ -2,6 +2,8 @@
 on the same inputs; its parameter gradients reach autograd once per backward. Tolerances: helpers.TOL.
 """
 
+import contextlib
+
 import pytest
 import torch
 from deepspeed.runtime.sequence_parallel import ulysses_sp as deepspeed_alst
@@ -213,3 +215,110 @@ def test_parameters_get_their_gradients_when_the_input_needs_none():
     want = grads_of((mlp(x) * w).sum(), list(mlp.parameters()))
     got = grads_of((TiledMLP.apply(mlp_fn, mlp, x, 3, None) * w).sum(), list(mlp.parameters()))
     assert_close(got, want, "grad")
+
+
+class _Store:
+    """Where a model keeps what its blocks record during a call (Transformers' output collector, in small):
+    ``recorded`` is a list while a call records, None otherwise."""
+
+    recorded = None
+
+
+class _RoutedMLP(GatedMLP):
+    """A MoE-like block: its router scales the MLP's output and records its logits in the store, one row per
+    token, as Transformers' hooks record a router's output."""
+
+    def __init__(self, store):
+        super().__init__()
+        self.router = nn.Linear(16, 4, bias=False)
+        self.store = store
+
+    def forward(self, x):
+        logits = self.router(x.reshape(-1, 16))  # [n, 4]
+        if self.store.recorded is not None:
+            self.store.recorded.append(logits)
+        scale = torch.softmax(logits, -1).max(-1).values.reshape(*x.shape[:-1], 1)
+        return super().forward(x) * scale
+
+
+class _StoreSide:
+    """TiledMLP's side for _Store: the recordings of the calls inside, taken from the store (from a store of
+    its own in backward, where no call records)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    @contextlib.contextmanager
+    def recording(self, backward):
+        saved = self.store.recorded
+        if backward:
+            self.store.recorded = []
+        elif saved is None:
+            yield []
+            return
+        start, got = len(self.store.recorded), []
+        try:
+            yield got
+        finally:
+            got.extend(self.store.recorded[start:])
+            del self.store.recorded[start:]
+            self.store.recorded = saved if backward else self.store.recorded
+
+    def keep(self, tensors):
+        self.store.recorded.extend(tensors)
+
+
+@pytest.mark.parametrize("bs", [1, 2])
+@pytest.mark.parametrize("sl,shards", [(8, 1), (8, 4), (7, 3), (5, 4)])
+def test_side_outputs_reach_the_model_joined_in_token_order_and_carry_their_gradient(bs, sl, shards):
+    """A block's recorded router logits: one tensor per site, batch-major token order, as the untiled block
+    records them; a loss on them gives the router, the MLP and the input the untiled block's gradients."""
+    torch.manual_seed(0)
+    store = _Store()
+    mlp = _RoutedMLP(store)
+    x = torch.randn(bs, sl, 16, requires_grad=True)
+    w, c = torch.randn(bs, sl, 16), torch.randn(bs * sl, 4)
+    inputs = [x, *mlp.parameters()]
+
+    def loss_of(y, recorded):
+        assert len(recorded) == 1
+        return (y * w).sum() + (torch.softmax(recorded[0], -1) * c).sum()
+
+    store.recorded = []
+    want_y = mlp(x)
+    want_recorded, store.recorded = store.recorded, None
+    want = grads_of(loss_of(want_y, want_recorded), inputs)
+
+    store.recorded = []
+    got_y = TiledMLP.apply(lambda m, t: m(t), mlp, x, shards, None, _StoreSide(store))
+    got_recorded, store.recorded = store.recorded, None
+    assert rel(got_recorded[0], want_recorded[0]) <= TOL and got_recorded[0].grad_fn is not None
+    assert rel(got_y, want_y) <= TOL
+    assert_close(grads_of(loss_of(got_y, got_recorded), inputs), want, "grad")
+
+
+def test_side_outputs_that_differ_between_tiles_are_refused():
+    store = _Store()
+    mlp = _RoutedMLP(store)
+    calls = []
+
+    def fn(m, t):  # records only in its first tile
+        calls.append(1)
+        return m(t) if len(calls) == 1 else GatedMLP.forward(m, t)
+
+    store.recorded = []
+    with pytest.raises(ValueError, match=r"the tiles of one call recorded \[0, 1\] side outputs; expected the same "
+                                         "recording sites in every tile"):
+        TiledMLP.apply(fn, mlp, torch.randn(1, 8, 16, requires_grad=True), 2, None, _StoreSide(store))
+
+
+def test_without_a_side_a_recorded_output_carries_no_gradient_as_in_deepspeed_s():
+    """What the side is for: without it the block's recording is made without autograd (DeepSpeed's TiledMLP
+    the same), so a loss on it would train nothing."""
+    store = _Store()
+    mlp = _RoutedMLP(store)
+    for lib in (TiledMLP, deepspeed_alst.TiledMLP):
+        store.recorded = []
+        lib.apply(lambda m, t: m(t), mlp, torch.randn(1, 8, 16, requires_grad=True), 2, list(mlp.parameters()))
+        assert len(store.recorded) == 2 and all(not r.requires_grad for r in store.recorded)
+    store.recorded = None
