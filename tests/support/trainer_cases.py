@@ -353,7 +353,7 @@ def sft_trainer_run(rank: int, world_size: int, stage: int, out_dir: str, sp: bo
     position_ids restarting per document), LoRA adapters from PEFT on the attention and MLP projections,
     gradient checkpointing and, with SP, the tiled MLP, checkpoint offload and the tiled loss. ``moe``:
     :func:`moe_model`, whose router load-balancing loss TRL's fused head adds (TRL turns it on for a MoE
-    config with a ``router_aux_loss_coef``), instead of Llama. Returns the
+    config with a ``router_aux_loss_coef``), instead of Llama, its MoE blocks tiled under SP. Returns the
     logged losses, the trainable parameters before and after training, and the eval loss after it (the
     Trainer evaluates whole samples without SP)."""
     import datasets
@@ -372,6 +372,8 @@ def sft_trainer_run(rank: int, world_size: int, stage: int, out_dir: str, sp: bo
         if packing:
             section.update(tiled_mlp={"enabled": True, "shards": 2}, activation_checkpoint_offload={"enabled": True},
                            tiled_loss={"enabled": True, "shards": 2})
+        if moe:  # the router logits of tiled MoE blocks
+            section.update(tiled_mlp={"enabled": True, "shards": 2})
     model = moe_model() if moe else tiny_model(tiny_config("llama", heads=4, kv_heads=2))
     model.eval()  # as from_pretrained leaves it: the Trainer switches to train mode in its first training_step
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
