@@ -165,11 +165,14 @@ def _require_mlps(model) -> None:
 
 
 def _router_side(model):
-    """What TiledMLP needs to serve a MoE model's router logits (:func:`router_logits_tiles`); a model that
-    trains its router loss on a Transformers without it is refused before anything changes: TiledMLP runs each
-    MoE block without autograd, so the loss would train nothing."""
+    """What TiledMLP needs to serve a MoE model's router logits (:func:`router_logits_tiles`; None for a model
+    whose config has no ``output_router_logits``); a model that trains its router loss on a Transformers without
+    it is refused before anything changes: TiledMLP runs each MoE block without autograd, so the loss would
+    train nothing."""
+    if not hasattr(text_config(model), "output_router_logits"):
+        return None
     side = router_logits_tiles()
-    if side is None and getattr(text_config(model), "output_router_logits", False):
+    if side is None and text_config(model).output_router_logits:
         raise ValueError(
             f"tiled_mlp cannot serve {type(model).__name__} with output_router_logits=True on this Transformers: it "
             "records router logits without the output-capturing collector TiledMLP hands their gradient through, so "
