@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..memory.tiles import weight_rows
 
-__all__ = ["text_config", "config_value", "vocab_size", "layout_facts"]
+__all__ = ["text_config", "config_value", "vocab_size", "layout_facts", "base_model"]
 
 
 def config_value(config, name: str, default=None):
@@ -18,6 +18,12 @@ def config_value(config, name: str, default=None):
         if type(err).__name__ != "AmbiguousGlobalPerLayerAttributeError":
             raise
         return vars(config).get(name, default)
+
+
+def base_model(model):
+    """The Transformers model under a PEFT wrapper (the model itself otherwise)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
 
 
 def text_config(model_or_config):

@@ -31,7 +31,7 @@ import torch
 from ..distributed.watch import GroupWatch
 from ..patching import PATCHES
 from ..sp.router_loss import load_balancing_loss
-from .model_facts import config_value, text_config
+from .model_facts import base_model, config_value, text_config
 
 __all__ = ["RouterFacts", "router_facts", "sp_router_scope", "router_coef", "whole_router_loss",
            "router_logits_tiles"]
@@ -52,18 +52,12 @@ class RouterFacts:
     top_k: int | None
 
 
-def causal_lm(model):
-    """The Transformers model under a PEFT wrapper (the model itself otherwise)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
 def router_facts(model) -> RouterFacts | None:
     """The model's router-loss facts, its function replaced by the SP dispatcher when SP serves it; None for
     a model whose module has no load-balancing function (a dense model). A function that is not the Switch
     loss is refused when the model's config turns the loss on (``output_router_logits``), and marked not
     servable otherwise (a call that turns it on is refused then)."""
-    base = causal_lm(model)
+    base = base_model(model)
     module = sys.modules.get(type(base).__module__)
     original = getattr(module, _FUNCTION, None)
     if not callable(original):
@@ -94,7 +88,7 @@ def router_coef(model, fused_head: bool) -> float:
     ``router_aux_loss_coef`` there)."""
     text = text_config(model)
     if not fused_head:
-        base = causal_lm(model)
+        base = base_model(model)
         for name in ("router_aux_loss_coef", "aux_loss_coef"):
             if isinstance(getattr(base, name, None), (int, float)):
                 return float(getattr(base, name))

@@ -10,7 +10,7 @@ import re
 
 import torch
 
-from .model_facts import config_value
+from .model_facts import base_model, config_value
 
 __all__ = ["check_model_servable", "decoder_of", "sliding_layers", "SERVABLE_LAYER_TYPES"]
 
@@ -139,9 +139,7 @@ _HEAD = re.compile(r"For(" + "|".join(_UNSERVED_HEADS) + r")$")
 
 
 def _check_head(model) -> None:
-    get_base = getattr(model, "get_base_model", None)  # a PEFT wrapper: its model's head
-    base = get_base() if callable(get_base) else model
-    kind = type(base).__name__
+    kind = type(base_model(model)).__name__  # a PEFT wrapper: its model's head
     found = _HEAD.search(kind)
     if found:
         raise ValueError(

@@ -22,8 +22,8 @@ the Trainer computes the loss with ``deepspeed_sp_compute_loss``. After :func:`d
   loss is weighted as the Trainer (or TRL's fused head) weights it without SP (:func:`router_weight`);
 - the Trainer options its SP loss would drop silently, label smoothing and ``compute_loss_func``, are
   refused when training starts, before the engine is built (:func:`refuse_dropped_loss_features`), and a
-  trainer whose ``compute_loss`` never reaches the Trainer's (TRL's DPOTrainer, RewardTrainer, ...: a
-  loss per sample, not per token) at its first training forward (:func:`_train`);
+  trainer whose ``compute_loss`` never reaches the Trainer's (TRL's DPOTrainer, KTOTrainer, ...: a loss
+  per sample, not per token) at its first training forward (:func:`_train`);
 - NEFTune's noise is bounded by the whole sequence's length, not a shard's (:func:`activate_neftune`);
 - the Trainer's resume skips into the adapter (:func:`skip_first_batches`), which Accelerate's
   version cannot (the adapter is not a DataLoader).

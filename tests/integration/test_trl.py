@@ -8,9 +8,9 @@ its gradients (rel 1e-4), and the eval loss after training (rel 1e-5). The secon
 padding-free collator, whose varlen offsets ``cu_seq_lens_*`` the adapter turns into position_ids;
 DeepSpeed's adapter raises on them) and trains PEFT LoRA adapters with every ALST switch on. The first
 trains a Mixtral whose router load-balancing loss TRL's head adds, divided over the accumulation steps:
-under SP it is the whole sequence's, weighted the same way, from MoE blocks in 2 tiles each. TRL's DPOTrainer, whose loss is per sample and
-computed without the Trainer's ``compute_loss``, is refused at its first training forward (it trained
-silently wrong before: 0.25 away in update from itself without SP).
+under SP it is the whole sequence's, weighted the same way, from MoE blocks in 2 tiles each. TRL's
+DPOTrainer, whose loss is per sample and computed without the Trainer's ``compute_loss``, is refused at
+its first training forward (it trained silently wrong before: 0.25 away in update from itself without SP).
 """
 
 import pytest

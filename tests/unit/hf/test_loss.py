@@ -1,6 +1,7 @@
 """The SP loss on a Transformers model: shift_labels win over labels, a MoE router's load-balancing loss
-is added as the model adds it (from tiled MoE blocks too), and one of another form is refused by name. Single process (no SP group):
-the SP loss is then the plain token mean, checked against cross-entropy on the model's own logits."""
+is added as the model adds it (from tiled MoE blocks too), and one of another form is refused by name.
+Single process (no SP group): the SP loss is then the plain token mean, checked against cross-entropy on
+the model's own logits."""
 
 import pytest
 import torch

@@ -254,7 +254,8 @@ def _built_later(rank, world_size, config_dir):
     hybrid = hf_config("qwen3_next", layer_types=["linear_attention", "full_attention"], head_dim=8,
                        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
                        linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1)
-    builds = {"causal_lm": lambda: transformers.AutoModelForCausalLM.from_pretrained(config_dir, attn_implementation="sdpa"),
+    builds = {"causal_lm": lambda: transformers.AutoModelForCausalLM.from_pretrained(
+                  config_dir, attn_implementation="sdpa"),
               "token_classifier": lambda: transformers.AutoModelForTokenClassification.from_pretrained(
                   config_dir, attn_implementation="sdpa"),
               "hybrid": lambda: transformers.AutoModelForCausalLM.from_config(hybrid, attn_implementation="sdpa")}

@@ -117,8 +117,9 @@ def test_peft_prompt_learning_is_refused_naming_the_adapter(method):
     model = peft.get_peft_model(tiny_model(tiny_config("llama", heads=4, kv_heads=2)),
                                 getattr(peft, method)(task_type="CAUSAL_LM", num_virtual_tokens=3))
     kind = model.peft_config["default"].peft_type.value
-    with pytest.raises(ValueError, match=f"model not servable by Ulysses SP: PEFT prompt learning \\('default': {kind}\\)"
-                                         " puts its virtual tokens in front of the sequence each forward gets"):
+    with pytest.raises(ValueError, match=f"model not servable by Ulysses SP: PEFT prompt learning "
+                                         f"\\('default': {kind}\\) puts its virtual tokens in front of the "
+                                         "sequence each forward gets"):
         check_model_servable(model.config, model)
 
 

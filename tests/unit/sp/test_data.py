@@ -197,7 +197,8 @@ def test_prepare_sample_pads_shifts_and_continues_positions(batch, sp, pad_id):
     assert len(find_documents(pos).spans) == len(find_documents(given_pos).spans)  # padding starts no document
     if "attention_mask" in out:
         assert bool((out["attention_mask"][:, sl:] == 0).all())  # right padding, which SP can honour
-        assert torch.equal(out["attention_mask"][:, :sl], batch.get("attention_mask", torch.ones(bs, sl, dtype=torch.long)))
+        given = batch.get("attention_mask", torch.ones(bs, sl, dtype=torch.long))
+        assert torch.equal(out["attention_mask"][:, :sl], given)
     check_batch({k: v for k, v in out.items() if k != "shift_labels"} | {"labels": out["shift_labels"]}, VOCAB)
 
 
