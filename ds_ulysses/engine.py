@@ -39,7 +39,7 @@ from .hf.loss import enable_sp_loss, tiled_causal_lm_loss
 from .hf.model_facts import layout_facts, text_config, vocab_size
 from .hf.register import UlyssesSPAttentionHF, register_with_transformers, sp_attention_of
 from .hf.router_loss import router_logits_tiles
-from .hf.servable import decoder_of
+from .hf.servable import check_model_servable, decoder_of
 from .hf.trainer import install_accelerate
 from .memory.host import trim_host_heap
 from .memory.mlp_tiling import mlp_modules, tile_mlps
@@ -138,6 +138,8 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
                 f"{type(model).__name__}'s attention is already registered for Ulysses SP on another SP group "
                 f"(ranks {served.watch.ranks}) than this engine's mesh {mesh}; expected one registration per model; "
                 "fix: pass that registration's mpu to initialize (or drop the earlier register_with_transformers call)")
+        else:  # registered by name before it was built: the wrapper it came in (PEFT's) is seen only here
+            check_model_servable(model.config, model)
         SHARDS.require(mesh.sp_group)
         PATCHES.on_undo(functools.partial(SHARDS.release, mesh.sp_group), "sp_inputs", owner=model)
     loss_fn = tiled_causal_lm_loss(section.tiled_loss.shards, mesh.sp_watch) if section.tiled_loss.enabled else None

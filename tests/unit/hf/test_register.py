@@ -2,6 +2,7 @@
 refusals, Hub kernels, and the undo."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -247,10 +248,15 @@ def test_a_config_holder_registers_globally_for_models_built_later():
 
 
 def _built_later(rank, world_size, config_dir):
-    """Models built after a registration by name: what building each raised (None: served)."""
+    """Models built after a registration by name: what building each (and preparing a PEFT-wrapped one for the
+    engine) raised (None: served)."""
+    import peft
     import transformers
 
-    UlyssesSPAttentionHF.register_with_transformers(config_dir, "sdpa", world_size, 1)
+    from ds_ulysses.config import UlyssesConfig
+    from ds_ulysses.engine import prepare_model
+
+    mesh = UlyssesSPAttentionHF.register_with_transformers(config_dir, "sdpa", world_size, 1)
     hybrid = hf_config("qwen3_next", layer_types=["linear_attention", "full_attention"], head_dim=8,
                        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
                        linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1)
@@ -259,6 +265,11 @@ def _built_later(rank, world_size, config_dir):
               "token_classifier": lambda: transformers.AutoModelForTokenClassification.from_pretrained(
                   config_dir, attn_implementation="sdpa"),
               "hybrid": lambda: transformers.AutoModelForCausalLM.from_config(hybrid, attn_implementation="sdpa")}
+    for name, method in (("lora", peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")),
+                         ("prompt_tuning", peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))):
+        builds[name] = functools.partial(lambda method: prepare_model(
+            peft.get_peft_model(builds["causal_lm"](), method), UlyssesConfig(sequence_parallel_size=world_size),
+            mesh, 1, 1.0), method)
     errors = {}
     for name, build in builds.items():
         try:
@@ -273,7 +284,9 @@ def _built_later(rank, world_size, config_dir):
 def test_models_built_after_a_registration_by_name_are_checked_as_they_are_built(tmp_path):
     tiny_model(tiny_config("llama", heads=4)).save_pretrained(tmp_path)
     for errors in run_distributed(_built_later, 2, str(tmp_path)):
-        assert errors["causal_lm"] is None
+        assert errors["causal_lm"] is None and errors["lora"] is None
+        assert "model not servable by Ulysses SP: PEFT prompt learning ('default': PROMPT_TUNING)" \
+            in errors["prompt_tuning"]
         assert "model not servable by Ulysses SP: LlamaForTokenClassification's head labels each token in place" \
             in errors["token_classifier"]
         assert "model not servable by Ulysses SP: layer_types has ['linear_attention']" in errors["hybrid"]
