@@ -1,4 +1,4 @@
-"""Run a function on N ranks (gloo on CPU, or NCCL with one GPU per rank) in spawned processes;
+"""Run a function on N ranks (gloo on CPU, or NCCL with one GPU per rank) in fresh processes;
 collect each rank's result or traceback."""
 
 from __future__ import annotations
@@ -18,7 +18,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue, received, backend="gloo"):
+# What every gloo rank imports anyway, imported once by the process the ranks fork from (see _context)
+PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.runtime.engine", "transformers",
+           "transformers.modeling_utils", "transformers.models.llama.modeling_llama", "ds_ulysses"]
+
+
+def _context(backend: str):
+    """gloo ranks under ``DS_ACCELERATOR=cpu`` (``make test`` sets it) fork from a server process that
+    imported :data:`PRELOAD` once (2-6 s a process on this machine, most of a small test's launch); each rank
+    still starts clean, as a spawned one would, and gets the parent's environment of the moment
+    (:func:`_worker`). Other ranks are spawned: DeepSpeed picks its accelerator when it is imported, and a
+    process forked after CUDA is touched cannot use it."""
+    if backend == "nccl" or os.environ.get("DS_ACCELERATOR") != "cpu":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _worker(rank, world_size, port, fn, args, queue, received, backend="gloo", environ=None):
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                       DS_ACCELERATOR="cuda" if backend == "nccl" else "cpu")
@@ -41,10 +62,11 @@ def _worker(rank, world_size, port, fn, args, queue, received, backend="gloo"):
 def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, backend: str = "gloo") -> list:
     """``fn(rank, world_size, *args)`` on each rank; returns the results in rank order. ``backend="nccl"``
     gives rank r the GPU r."""
-    ctx = mp.get_context("spawn")
+    ctx = _context(backend)
     queue, received = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, received, backend))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, received, backend,
+                                               dict(os.environ)))
              for r in range(world_size)]
     for p in procs:
         p.start()
