@@ -106,17 +106,18 @@ class ForwardFacts:
     heads: int            # query heads at the call
     kv_heads: int         # key/value heads at the call
     head_size: int
+    kv_len: int           # the keys' length: sl_l, or more with a KV cache or a prefix
     positions: PositionCheck
     shard: ShardCheck = ShardCheck()
 
-    _SCALARS = 6  # the int fields before positions
+    _SCALARS = 7  # the int fields before positions
 
     @classmethod
     def of(cls, query: torch.Tensor, key: torch.Tensor, positions: PositionCheck,
            shard: ShardCheck = ShardCheck()) -> "ForwardFacts":
         """Facts of q ``[bs hc sl_l hs]`` and k ``[bs hc_kv sl_l hs]``."""
         bs, hc, sl_l, hs = query.shape
-        return cls(sl_l, bs, dtype_code(query.dtype), hc, key.shape[1], hs, positions, shard)
+        return cls(sl_l, bs, dtype_code(query.dtype), hc, key.shape[1], hs, key.shape[2], positions, shard)
 
     def to_tensor(self, device) -> torch.Tensor:
         """The record as one int64 row (``[width]``), for an all_gather."""
@@ -130,6 +131,15 @@ class ForwardFacts:
         values = [int(v) for v in row.tolist()]
         split = cls._SCALARS + len(dataclasses.fields(PositionCheck))
         return cls(*values[:cls._SCALARS], PositionCheck(*values[cls._SCALARS:split]), ShardCheck(*values[split:]))
+
+
+def _cache_message(facts: ForwardFacts) -> str:
+    return (f"the SP attention got {facts.kv_len} keys for {facts.seq_len} queries: keys from a KV cache "
+            "(model.generate, a forward with past_key_values) or a prefix (PEFT prefix tuning) that this rank "
+            "holds alone, where SP exchanges one shard of the sequence for every query, key and value; expected as "
+            "many keys as queries; fix: generate in eval mode with SP off there (register with "
+            "disable_in_eval=True, or the section's \"disable_in_eval\": true), and train with a weight adapter "
+            "(LoRA) rather than a prefix")
 
 
 def _problem_message(facts: ForwardFacts) -> str:
@@ -196,6 +206,8 @@ def _shard_message(every: list[ForwardFacts]) -> str | None:
 def check_forward(every: list[ForwardFacts], fixed_length: int | None) -> None:
     """Raise the same ValueError on every SP rank when any rank's forward input is wrong."""
     message = _shard_message(every)
+    if message is None:
+        message = first_error([(r, _cache_message(f)) for r, f in enumerate(every) if f.kv_len != f.seq_len])
     if message is None:
         message = first_error([(r, _problem_message(f)) for r, f in enumerate(every) if not f.positions.ok])
     if message is None:

@@ -47,18 +47,31 @@ def test_two_collectives_per_attention_layer(kv_heads):
 
 
 def _disable_in_eval(rank, world_size):
+    """Eval-mode logits and a cached greedy generation, with SP off in eval against the model unregistered;
+    then what a cached generation raises with SP on in eval."""
     cfg = tiny_config("qwen2", heads=4, kv_heads=2)
-    ref = tiny_model(cfg)
-    model = copy.deepcopy(ref)
-    UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world_size, 1, disable_in_eval=True,
-                                                   scope="model")
+    ref = tiny_model(cfg).eval()
+    models = {off: copy.deepcopy(ref) for off in (True, False)}
+    for off, model in models.items():
+        UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world_size, 1, disable_in_eval=off,
+                                                       scope="model")
+        model.eval()
     x = make_sample(1, 16)
-    model.eval()
+    prompt = x["input_ids"][:, :9 + rank]  # each rank its own prompt
     with torch.no_grad():
-        full = model(input_ids=x["input_ids"]).logits  # eval: plain attention on the full sequence
+        full = models[True](input_ids=x["input_ids"]).logits  # eval: plain attention on the full sequence
         expect = ref(input_ids=x["input_ids"]).logits
-    return rel_err(full, expect)
+        generated = models[True].generate(prompt, max_new_tokens=4, do_sample=False)
+        want = ref.generate(prompt, max_new_tokens=4, do_sample=False)
+        try:
+            models[False].generate(prompt, max_new_tokens=4, do_sample=False)
+            sp_on = None
+        except ValueError as err:
+            sp_on = str(err)
+    return rel_err(full, expect), torch.equal(generated, want), sp_on
 
 
-def test_disable_in_eval_runs_plain_attention_on_full_sequences():
-    assert all(err <= 1e-6 for err in run_distributed(_disable_in_eval, 2))
+def test_disable_in_eval_runs_plain_attention_on_full_sequences_and_generation_with_sp_on_is_refused():
+    for err, generated_alike, sp_on in run_distributed(_disable_in_eval, 2):
+        assert err <= 1e-6 and generated_alike
+        assert "the SP attention got 10 keys for 1 queries: keys from a KV cache (model.generate" in sp_on

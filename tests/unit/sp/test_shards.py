@@ -54,7 +54,7 @@ def test_a_shard_seen_twice_is_recognised_but_not_compared_by_position():
 
 
 def _facts(shard: ShardCheck, positions: PositionCheck = PositionCheck()) -> ForwardFacts:
-    return ForwardFacts(8, 1, 0, 4, 2, 8, positions, shard)
+    return ForwardFacts(8, 1, 0, 4, 2, 8, 8, positions, shard)
 
 
 def test_forward_facts_carry_the_shard_verdict_through_the_gather():
