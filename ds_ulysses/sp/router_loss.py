@@ -58,9 +58,10 @@ def load_balancing_loss(gate_logits: tuple[torch.Tensor, ...], num_experts: int,
     mask = None
     if attention_mask is not None:
         mask = attention_mask.reshape(-1).to(device=device, dtype=torch.float32)  # [n]
-    probs = torch.zeros(num_experts, dtype=torch.float32, device=device)  # [E]
-    assigned = torch.zeros(num_experts, dtype=torch.float32, device=device)  # [E]
-    tokens = torch.zeros(1, dtype=torch.float32, device=device)  # [1]
+    # sums over every layer's tokens: float64, where float32 would stop counting exactly at 2**24 (16.8M)
+    probs = torch.zeros(num_experts, dtype=torch.float64, device=device)  # [E]
+    assigned = torch.zeros(num_experts, dtype=torch.float64, device=device)  # [E]
+    tokens = torch.zeros(1, dtype=torch.float64, device=device)  # [1]
     for gate in gate_logits:
         gate = gate.to(device)
         if mask is not None and mask.numel() != gate.shape[0]:
@@ -71,14 +72,15 @@ def load_balancing_loss(gate_logits: tuple[torch.Tensor, ...], num_experts: int,
                 "block tiled by hand records its routing tile by tile: tile it with the ulysses section's tiled_mlp)")
         routing = torch.softmax(gate, dim=-1)  # [n E]
         chosen = torch.topk(routing, top_k, dim=-1).indices.reshape(-1)  # [n*k]
-        weight = torch.ones_like(chosen, dtype=torch.float32) if mask is None else mask.repeat_interleave(top_k)
+        weight = (torch.ones_like(chosen, dtype=torch.float64) if mask is None
+                  else mask.double().repeat_interleave(top_k))
         assigned = assigned + torch.zeros_like(assigned).scatter_add_(0, chosen, weight)
         if mask is None:
-            probs = probs + routing.float().sum(dim=0)
+            probs = probs + routing.float().sum(dim=0).double()
             tokens = tokens + gate.shape[0]
         else:
-            probs = probs + (routing.float() * mask.unsqueeze(-1)).sum(dim=0)
-            tokens = tokens + mask.sum()
+            probs = probs + (routing.float() * mask.unsqueeze(-1)).sum(dim=0).double()
+            tokens = tokens + mask.double().sum()
     total = RouterSums.apply(torch.cat([probs, assigned.detach(), tokens.detach()]), group, grad_scale, watch)
     probs, assigned, tokens = total.split([num_experts, num_experts, 1])  # [E], [E], [1]
-    return torch.sum(assigned / tokens * probs / tokens) * num_experts
+    return (torch.sum(assigned / tokens * probs / tokens) * num_experts).float()
