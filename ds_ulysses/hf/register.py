@@ -37,7 +37,7 @@ import torch
 
 from ..distributed.mesh import Mesh, build_mesh
 from ..patching import PATCHES
-from ..sp.attention import HUB_KERNEL, UlyssesAttention, check_core_attention
+from ..sp.attention import HUB_KERNEL, UlyssesAttention, check_core_attention, core_kind
 from .decoder_watch import sp_active, watch_decoder
 from .model_facts import config_value, text_config
 from .servable import check_model_servable, decoder_of, sliding_layers
@@ -188,6 +188,29 @@ def _check_matching_core(holder, core: str) -> None:
             f"(or call model.set_attn_implementation('{core}')), or register '{current}'")
 
 
+_SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flash": "_supports_flash_attn", "flex": "_supports_flex_attn"}
+_CORE_NAMES = {"sdpa": "sdpa", "flash": "flash_attention_2", "flex": "flex_attention"}
+
+
+def _check_core_supported(model, core: str) -> None:
+    """``scope="model"`` switches the model to the core itself, past Transformers' own check: a core its class
+    says it does not support would drop what its attention hands the core (GPT-OSS's sinks, under sdpa:
+    silently)."""
+    decoder = decoder_of(model)
+    owner = decoder if hasattr(type(decoder), "_supports_sdpa") else model
+    flag = _SUPPORT_FLAGS[core_kind(core)]
+    if getattr(type(owner), flag, True) is not False:
+        return
+    supported = [name for kind, name in _CORE_NAMES.items() if getattr(type(owner), _SUPPORT_FLAGS[kind], True)]
+    fix = (f"set the ulysses section's attn_implementation (or register) to one of {supported}" if supported else
+           "train this model without sequence parallelism")
+    raise ValueError(
+        f"model not servable by Ulysses SP with core attention '{core}': {type(owner).__name__}.{flag} is False, "
+        f"so Transformers refuses attn_implementation='{core}' for it, and its attention would hand that core "
+        "arguments it ignores (GPT-OSS's attention sinks, for one: the loss silently off); expected a core the "
+        f"model supports; fix: {fix}")
+
+
 def register_with_transformers(model_name_or_path, core_attn_implementation, sequence_parallel_size,
                                micro_batch_size, seq_length=None, seq_length_is_variable=True,
                                disable_in_eval=False, max_length=None, *, mesh: Mesh | None = None,
@@ -232,6 +255,8 @@ def register_with_transformers(model_name_or_path, core_attn_implementation, seq
     check_model_servable(config, module)
     if module is not None:
         _check_causal(module)
+    if scope == "model":
+        _check_core_supported(module, core_attn_implementation)
     _load_core(core_attn_implementation)
     if loaded and scope == "global":
         _check_matching_core(model_name_or_path, core_attn_implementation)

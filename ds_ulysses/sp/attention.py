@@ -229,6 +229,8 @@ class UlyssesAttention(torch.nn.Module):
         if groups_attr:
             module.num_key_value_groups = plan.kv_groups(self.sp_rank)
         try:
+            if kwargs.get("s_aux") is not None:
+                kwargs["s_aux"] = _own_sinks(kwargs["s_aux"], plan, self.sp_rank)
             window = kwargs.get("sliding_window")
             if self.kind == "sdpa":
                 if state.docs.packed or (window is not None and q.shape[2] > window):
@@ -245,6 +247,20 @@ class UlyssesAttention(torch.nn.Module):
         finally:
             if groups_attr:
                 module.num_key_value_groups = saved
+
+
+def _own_sinks(sinks, plan: HeadPlan, rank: int) -> torch.Tensor:
+    """Learnable attention sinks (``s_aux``: GPT-OSS, one per query head): the core runs this rank's query
+    heads, so it gets their sinks, a slice whose gradient reaches the parameter (each rank's heads' part of it)."""
+    heads = plan.q_heads[rank]
+    total = sum(len(h) for h in plan.q_heads)
+    if not torch.is_tensor(sinks) or sinks.dim() != 1 or sinks.shape[0] != total:
+        shape = list(sinks.shape) if torch.is_tensor(sinks) else type(sinks).__name__
+        raise ValueError(
+            f"model not servable by Ulysses SP: its attention passes s_aux (attention sinks) of shape {shape}, where "
+            f"SP can split only one sink per query head ([{total}]) among the ranks' heads; expected s_aux of shape "
+            f"[{total}]; fix: train this model without sequence parallelism")
+    return sinks[heads[0]:heads[-1] + 1]
 
 
 class _Gathered:

@@ -37,6 +37,11 @@ CASES = {
     # 39 tokens: the adapter pads one and adds an attention mask, which the flash path must still not get
     "flash-standin-packed-sp2": (2, dict(family="llama", heads=4, kv_heads=2, attn="flash_attention_2",
                                          length=39, docs=[7, 13, 19])),
+    # GPT-OSS's attention sinks, one per query head, 6 heads on 4 ranks (2, 2, 1, 1): each rank's core gets its
+    # heads' sinks (the unsharded model runs eager: it supports no sdpa)
+    "flash-standin-sinks-sp4": (4, dict(family="gpt_oss", heads=6, kv_heads=2, attn="flash_attention_2",
+                                        ref_attn="eager", length=40, docs=[11, 29],
+                                        extra={"num_local_experts": 2, "num_experts_per_tok": 1})),
 }
 
 

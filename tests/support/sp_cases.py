@@ -63,7 +63,9 @@ def flash_standin(module, query, key, value, attention_mask, dropout=0.0, scalin
     """Checks flash_attention_2's calling contract and computes what its varlen path would.
 
     Flash kernels take q ``[bs hc sl hs]`` with fewer KV heads (GQA by head ratio), no mask, and
-    find packed documents from the global ``position_ids [bs sl]``; they return ``[bs sl hc hs]``.
+    find packed documents from the global ``position_ids [bs sl]``; they return ``[bs sl hc hs]``. A kernel
+    with attention sinks (FA3's ``s_aux``) takes one sink per query head at the call, a logit that joins
+    each query's softmax with no value behind it.
     """
     bs, hc, sl, hs = query.shape
     if attention_mask is not None:
@@ -80,14 +82,23 @@ def flash_standin(module, query, key, value, attention_mask, dropout=0.0, scalin
     doc = starts.cumsum(1)
     idx = torch.arange(sl)
     mask = (idx[:, None] >= idx[None, :])[None] & (doc[:, :, None] == doc[:, None, :])  # [bs sl sl]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scaling)
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scaling)
+        return out.transpose(1, 2), None
+    if tuple(sinks.shape) != (hc,):
+        raise AssertionError(f"s_aux must hold one sink per query head at the call [{hc}], got {tuple(sinks.shape)}")
+    scores = (query @ key.transpose(-1, -2)) * (scaling if scaling is not None else hs ** -0.5)  # [bs hc sl sl]
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    scores = torch.cat([scores, sinks.view(1, hc, 1, 1).expand(bs, hc, sl, 1).to(scores.dtype)], dim=-1)
+    out = torch.softmax(scores, dim=-1)[..., :-1] @ value  # [bs hc sl hs]
     return out.transpose(1, 2), None
 
 
 def _build(case: dict, world_size: int):
     cfg = tiny_config(case.get("family", "llama"), case.get("heads", 4), case.get("kv_heads"),
-                      head_dim=case.get("head_dim", 8), layers=case.get("layers", 2), attn="sdpa",
-                      **case.get("extra", {}))
+                      head_dim=case.get("head_dim", 8), layers=case.get("layers", 2),
+                      attn=case.get("ref_attn", "sdpa"), **case.get("extra", {}))
     base = tiny_model(cfg)
     bs = case.get("bs", 1)
     lens = case.get("lens", [case.get("length", 16)] * world_size)

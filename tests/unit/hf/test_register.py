@@ -300,6 +300,19 @@ def test_a_loaded_model_running_another_core_is_refused_like_deepspeed():
         UlyssesSPAttentionHF.register_with_transformers(_ConfigHolder(cfg), "flash_attention_2", 2, 1)
 
 
+def test_switching_a_model_to_a_core_its_class_does_not_support_is_refused():
+    """scope="model" (what initialize uses) sets the model's attention to the core itself, past Transformers' check:
+    GPT-OSS under sdpa trained with its attention sinks dropped (the loss 6e-4 off, silently)."""
+    model = tiny_model(tiny_config("gpt_oss", heads=4, kv_heads=2, attn="eager", num_local_experts=2,
+                                   num_experts_per_tok=1))
+    with pytest.raises(ValueError, match=r"model not servable by Ulysses SP with core attention 'sdpa': "
+                                         r"GptOssModel._supports_sdpa is False.* fix: set the ulysses section's "
+                                         r"attn_implementation \(or register\) to one of \['flash_attention_2', "
+                                         r"'flex_attention'\]"):
+        UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, scope="model")
+    assert model.config._attn_implementation == "eager"
+
+
 def test_model_scope_needs_a_module():
     with pytest.raises(ValueError, match="scope='model' needs the model object"):
         UlyssesSPAttentionHF.register_with_transformers(_ConfigHolder(tiny_config("llama")), "sdpa", 2, 1,
