@@ -89,6 +89,11 @@ SP = 2
 LENGTH = 64                       # tokens per sample; shards of 32 at sp 2
 PACKED_DOCS = [24, 25, 15]        # documents of the packed sample; the second crosses the shard boundary
 SEED = 0
+# the core attention the drop-in check registers: sdpa, or flash_attention_2 as a stand-in that computes, in
+# plain torch on CPU, what Transformers' flash path would (tests.support.sp_cases.flash_standin: no mask,
+# documents from position_ids, sliding_window, softcap, attention sinks), against the model run eager
+CORES = ("sdpa", "flash-standin")
+_core = {"name": "sdpa"}  # this process's, set by _rank_main
 MAX_PARAMS = 3_000_000          # a tiny model here has 0.1-1M parameters
 SPAWN_SECONDS = 120             # on top of the case timeout, for a rank to start (imports, process group)
 
@@ -254,8 +259,8 @@ def model_type_of(name: str) -> str:
     return name.split("+")[0]
 
 
-def candidates() -> tuple[list[str], dict[str, str]]:
-    """Model types to sweep (plus variants), and the skipped ones with why."""
+def candidates(core: str = "sdpa") -> tuple[list[str], dict[str, str]]:
+    """Model types to sweep (plus variants) under ``core``, and the skipped ones with why."""
     import transformers
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -266,8 +271,9 @@ def candidates() -> tuple[list[str], dict[str, str]]:
         if cls is None:
             skipped[model_type] = f"{cls_name} is not importable"
             continue
-        if not getattr(cls, "_supports_sdpa", False):
-            skipped[model_type] = f"no sdpa: {cls_name}._supports_sdpa is False"
+        flag, short = ("_supports_flash_attn", "flash") if core == "flash-standin" else ("_supports_sdpa", "sdpa")
+        if not getattr(cls, flag, False):
+            skipped[model_type] = f"no {short}: {cls_name}.{flag} is False"
             continue
         try:
             cfg = AutoConfig.for_model(model_type)
@@ -355,17 +361,19 @@ def tiny_config(name: str):
 
 
 def build(name: str, seed: int = SEED):
-    """The tiny model, fp32, sdpa, deterministic init, every dropout off."""
+    """The tiny model, fp32, sdpa (eager when the drop-in check runs the flash stand-in), deterministic init,
+    every dropout off."""
     from transformers import AutoModelForCausalLM
 
+    attn = "eager" if _core["name"] == "flash-standin" else "sdpa"
     cfg = tiny_config(name)
     with torch.device("meta"):  # count first: an un-shrunk default (e.g. a 500K-row hash embedding) takes minutes
-        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").parameters())
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).parameters())
     if size > MAX_PARAMS:
         raise NotTiny(f"{size / 1e6:.1f}M parameters with the tiny overrides (limit {MAX_PARAMS / 1e6:.0f}M): "
                       "some size the overrides do not reach")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).float()
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -638,7 +646,10 @@ def sp_step_check(rank: int, sp: int, name: str, samples: dict, phase=lambda p: 
     current, first_forward, steps = "register", True, {"plain": [], "packed": []}
     try:
         phase(current)
-        mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1)
+        if _core["name"] == "flash-standin":  # the eager model switched to the core, as initialize does
+            mpu = UlyssesSPAttentionHF.register_with_transformers(model, "flash_attention_2", sp, 1, scope="model")
+        else:
+            mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1)
         group = mpu.get_sequence_parallel_group()
         first = mpu.get_data_parallel_rank() * sp  # the SP group's first rank: its micro-batch k is sample first + k
         current = "setup"
@@ -833,7 +844,7 @@ CHECKS = {"dropin": sp_step_check, "engine": engine_step_check}
 
 
 def _rank_main(rank: int, world_size: int, sp: int, port: int, check: str, cases: list, queue, length: int,
-               docs: list[int], batch: int, engine_opts: dict) -> None:
+               docs: list[int], batch: int, engine_opts: dict, core: str = "sdpa") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
@@ -844,6 +855,13 @@ def _rank_main(rank: int, world_size: int, sp: int, port: int, check: str, cases
 
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    _core["name"] = core
+    if core == "flash-standin":
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        from tests.support.sp_cases import flash_standin
+
+        ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = flash_standin
     fn = CHECKS[check]
     micros = engine_opts["steps"] * engine_opts["gas"]
     samples = _samples(max(world_size, world_size // sp * micros), length, docs, batch)
@@ -879,7 +897,7 @@ def _merge(case: str, by_rank: dict) -> dict:
 
 def run_cases(cases: list, check: str = "dropin", sp: int = SP, case_timeout: float = 180.0,
               log=None, length: int = LENGTH, docs: list[int] = PACKED_DOCS, batch: int = 1, dp: int = 1,
-              steps: int = 1, gas: int = 1, zero: int = 3, dtype: str = "fp32") -> dict:
+              steps: int = 1, gas: int = 1, zero: int = 3, dtype: str = "fp32", core: str = "sdpa") -> dict:
     """Run ``check`` for every case on ``dp * sp`` spawned gloo ranks (``dp`` SP groups of ``sp`` ranks);
     {case: record}.
 
@@ -902,7 +920,7 @@ def run_cases(cases: list, check: str = "dropin", sp: int = SP, case_timeout: fl
         queue, port = ctx.Queue(), free_port()
         procs = [ctx.Process(target=_rank_main, daemon=True,
                              args=(r, world_size, sp, port, check, remaining, queue, length, docs, batch,
-                                   {"steps": steps, "gas": gas, "zero": zero, "dtype": dtype}))
+                                   {"steps": steps, "gas": gas, "zero": zero, "dtype": dtype}, core))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -1089,6 +1107,9 @@ def main(argv=None) -> int:
     parser.add_argument("--section", choices=sorted(ENGINE_SECTIONS), default="tiled",
                         help="the section --engine-all runs (default tiled: the defaults, tiled loss on)")
     parser.add_argument("--engine-only", action="store_true", help="skip the drop-in check")
+    parser.add_argument("--core", choices=CORES, default="sdpa", help="the drop-in check's core attention: sdpa "
+                        "(default), or flash-standin (flash_attention_2's contract in plain torch, against the model "
+                        "run eager; the models whose class supports flash attention); drop-in only")
     parser.add_argument("--out", default="architectures.jsonl", help="JSON lines; the Markdown goes next to it")
     parser.add_argument("--case-timeout", type=float, default=180.0, help="seconds before a stalled case is abandoned")
     parser.add_argument("--sp", type=int, default=SP, help=f"ranks per SP group (default {SP})")
@@ -1123,6 +1144,8 @@ def main(argv=None) -> int:
         parser.error(f"--steps {args.steps}: expected at least one step")
     if args.gas < 1:
         parser.error(f"--gas {args.gas}: expected at least one micro-batch per step")
+    if args.core != "sdpa" and (args.engine or args.engine_all or args.engine_only):
+        parser.error(f"--core {args.core}: the drop-in check only; drop --engine, --engine-all and --engine-only")
     if args.dtype != "fp32" and not args.engine_only:
         parser.error(f"--dtype {args.dtype}: the drop-in check runs in fp32 only; add --engine-only")
     layout = dict(sp=args.sp, dp=args.dp, length=args.length, docs=docs, batch=args.batch)
@@ -1136,7 +1159,7 @@ def main(argv=None) -> int:
             parser.error(f"--dtype fp16: DeepSpeed has no fp16 on this {get_accelerator().device_name()} device "
                          "(a CPU needs AVX512-FP16 or AMX), so it would refuse every case; use --dtype bf16")
 
-    names, skipped = candidates()
+    names, skipped = candidates(args.core)
     if args.models:
         names, skipped = args.models.split(","), {}
     started = time.time()
@@ -1147,7 +1170,8 @@ def main(argv=None) -> int:
 
     records = [{"model": m, "mode": "-", "status": "skipped", "why": why} for m, why in skipped.items()]
     if not args.engine_only:
-        records += run_cases(names, "dropin", case_timeout=args.case_timeout, log=log, **layout).values()
+        records += run_cases(names, "dropin", case_timeout=args.case_timeout, log=log, core=args.core,
+                             **layout).values()
     cases = []
     if args.engine:
         cases += [f"{m}@{s}" for m in (names if args.models else ENGINE_MODELS) for s in ENGINE_SECTIONS]
@@ -1168,7 +1192,8 @@ def main(argv=None) -> int:
               f"variants swept, {len(skipped)} model types left out before building; {took:.0f} s on "
               f"{os.cpu_count()} cores. {bar} "
               f"Samples: {args.batch} x {args.length} tokens plain, and packed documents {docs} per row; "
-              f"{args.steps} step(s) of {args.gas} micro-batch(es) per engine, ZeRO-{args.zero}.")
+              f"{args.steps} step(s) of {args.gas} micro-batch(es) per engine, ZeRO-{args.zero}. Drop-in core: "
+              f"{args.core}.")
     md = write_reports(records, args.out, header, sp=args.sp, dp=args.dp)
     print(f"{took:.0f} s; wrote {args.out} and {md}")
     return 0

@@ -38,6 +38,7 @@ import torch
 from ..distributed.mesh import Mesh, build_mesh
 from ..patching import PATCHES
 from ..sp.attention import HUB_KERNEL, UlyssesAttention, check_core_attention, core_kind
+from ..sp.forward_check import PositionCheck, Problem
 from .decoder_watch import sp_active, watch_decoder
 from .model_facts import config_value, text_config
 from .servable import check_model_servable, decoder_of, sliding_layers
@@ -100,8 +101,23 @@ class _Dispatch:
         if entry is not None:
             uattn, model = entry
             if not (uattn.disable_in_eval and model is not None and not model.training):
+                if _looks_ahead(kwargs) and (uattn.input_verdict is None or uattn.input_verdict.ok):
+                    uattn.input_verdict = PositionCheck(Problem.MASK_LOOKS_AHEAD)  # every rank raises at the gather
                 return None
         return self.mask(*args, **kwargs)
+
+
+def _looks_ahead(kwargs: dict) -> bool:
+    """Whether the mask Transformers asks for lets any token see the next one: a bidirectional overlay on the
+    causal mask (``block_sequence_ids``, an ``or_mask_function``) that SP's attention would not reproduce.
+    Read from the mask function on the ``sl_l - 1`` (query, next key) pairs of each row, not the whole mask."""
+    fn, q_length, bs = kwargs.get("mask_function"), kwargs.get("q_length"), kwargs.get("batch_size")
+    if fn is None or not isinstance(q_length, int) or q_length < 2 or not isinstance(bs, int):
+        return False
+    device = kwargs.get("device")
+    q = (torch.arange(q_length - 1, device=device) + kwargs.get("q_offset", 0)).view(1, -1)  # [1 sl_l-1]
+    batch = torch.arange(bs, device=device).view(-1, 1)  # [bs 1]
+    return bool(fn(batch, torch.zeros_like(batch), q, q + 1).any())
 
 
 _dispatches: dict[str, _Dispatch] = {}

@@ -46,6 +46,7 @@ class Problem(enum.IntEnum):
     NEGATIVE_POSITIONS = 4
     NOT_FORWARDED = 5      # the model call had position_ids, its attention call none
     VARLEN_OFFSETS = 6     # the attention call carries a batch's varlen offsets (cu_seq_lens_*, max_length_*)
+    MASK_LOOKS_AHEAD = 7   # the model's mask lets a token attend to the next one (a bidirectional overlay)
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,12 @@ def _problem_message(facts: ForwardFacts) -> str:
                 "gathered, padded sequence matches, so a varlen kernel would attend over the wrong spans; expected "
                 "the documents in position_ids only; fix: feed the batches of UlyssesSPDataLoaderAdapter (it turns "
                 "the offsets into position_ids), or drop the offsets from the batch")
+    if pos.problem == Problem.MASK_LOOKS_AHEAD:
+        return ("the model's attention mask lets a token attend to the token after it (a bidirectional overlay: a "
+                "PrefixLM's prefix from token_type_ids, image tokens), which SP's attention, causal within each "
+                "document of the global position_ids, would drop silently; expected a causal mask; fix: leave "
+                "token_type_ids out of the batch (or set config.prefix_lm=False), or train without sequence "
+                "parallelism")
     if pos.problem == Problem.NO_POSITIONS:
         return ("Ulysses SP needs position_ids in the model call (each rank's positions within the whole "
                 "sequence); got none; fix: pass the batch from UlyssesSPDataLoaderAdapter, or position_ids = "

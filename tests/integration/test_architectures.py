@@ -5,7 +5,8 @@ ZeRO-3; a few with tiled MLPs, checkpoint offload or both with the loss in tiles
 ``ds_ulysses.initialize``, MoE router losses among them (tiled MoE blocks too, on 2 padded rows), and Llama
 in other layouts (sp 4, a padded length, 2 rows, with Mixtral's router loss too; dp 2 x sp 2 for 3 steps;
 2 micro-batches per step, Mixtral among it; bf16 at ZeRO-1 and fp16 at ZeRO-2, and Gemma 3 in bf16 at
-ZeRO-3); the full sweep is ``python -m tests.architectures``.
+ZeRO-3), and the flash path (a stand-in kernel) for softcaps, sinks and windows; the full sweep is
+``python -m tests.architectures`` (``--core flash-standin`` for the flash path).
 A model is never allowed to come out ``wrong`` (silently off) or ``crash``; a refusal must name the
 real cause.
 """
@@ -81,6 +82,19 @@ def _check(rec: dict) -> None:
 def test_dropin_api_is_exact_or_refuses(name, dropin_results):
     _check(dropin_results[name])
     assert name not in EXACT or dropin_results[name]["status"] == "exact", summary(dropin_results[name])
+
+
+# the drop-in API on the flash path: flash_attention_2's contract in plain torch (tests.support.sp_cases.flash_standin)
+# against the model run eager, for what that path hands the kernel beside q/k/v
+FLASH = ["gemma2",   # attention logits soft-capped (softcap), no sdpa
+         "gpt_oss",  # attention sinks (s_aux), one per query head: each rank's core gets its own heads' sinks
+         "mistral"]  # a sliding window shorter than the sequence (sliding_window)
+
+
+def test_the_flash_path_is_exact_for_softcaps_sinks_and_windows():
+    records = run_cases(FLASH, "dropin", case_timeout=120, core="flash-standin")
+    for rec in records.values():
+        assert rec["status"] == "exact", summary(rec)
 
 
 @pytest.mark.slow

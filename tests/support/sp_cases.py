@@ -59,13 +59,16 @@ def reference_loss(model, sample: dict) -> torch.Tensor:
     return total / (target != -100).sum().clamp(min=1)
 
 
-def flash_standin(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def flash_standin(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                  softcap=None, s_aux=None, **kwargs):
     """Checks flash_attention_2's calling contract and computes what its varlen path would.
 
     Flash kernels take q ``[bs hc sl hs]`` with fewer KV heads (GQA by head ratio), no mask, and
-    find packed documents from the global ``position_ids [bs sl]``; they return ``[bs sl hc hs]``. A kernel
-    with attention sinks (FA3's ``s_aux``) takes one sink per query head at the call, a logit that joins
-    each query's softmax with no value behind it.
+    find packed documents from the global ``position_ids [bs sl]``; they return ``[bs sl hc hs]``. Like
+    Transformers' flash path they take ``sliding_window`` (a query sees the keys less than that many positions
+    back) and ``softcap`` (``softcap * tanh(scores / softcap)``), and a kernel with attention sinks (FA3's
+    ``s_aux``) one sink per query head at the call, a logit that joins each query's softmax with no value
+    behind it.
     """
     bs, hc, sl, hs = query.shape
     if attention_mask is not None:
@@ -82,17 +85,18 @@ def flash_standin(module, query, key, value, attention_mask, dropout=0.0, scalin
     doc = starts.cumsum(1)
     idx = torch.arange(sl)
     mask = (idx[:, None] >= idx[None, :])[None] & (doc[:, :, None] == doc[:, None, :])  # [bs sl sl]
-    sinks = kwargs.get("s_aux")
-    if sinks is None:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], scale=scaling)
-        return out.transpose(1, 2), None
-    if tuple(sinks.shape) != (hc,):
-        raise AssertionError(f"s_aux must hold one sink per query head at the call [{hc}], got {tuple(sinks.shape)}")
+    if sliding_window is not None:
+        mask = mask & (idx[:, None] - idx[None, :] < sliding_window)[None]
     scores = (query @ key.transpose(-1, -2)) * (scaling if scaling is not None else hs ** -0.5)  # [bs hc sl sl]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    scores = torch.cat([scores, sinks.view(1, hc, 1, 1).expand(bs, hc, sl, 1).to(scores.dtype)], dim=-1)
-    out = torch.softmax(scores, dim=-1)[..., :-1] @ value  # [bs hc sl hs]
-    return out.transpose(1, 2), None
+    if s_aux is not None:
+        if tuple(s_aux.shape) != (hc,):
+            raise AssertionError(f"s_aux must hold one sink per query head at the call [{hc}], got {tuple(s_aux.shape)}")
+        scores = torch.cat([scores, s_aux.view(1, hc, 1, 1).expand(bs, hc, sl, 1).to(scores.dtype)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :sl]
+    return (probs @ value).transpose(1, 2), None
 
 
 def _build(case: dict, world_size: int):
