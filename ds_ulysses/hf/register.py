@@ -114,7 +114,7 @@ def _looks_ahead(kwargs: dict) -> bool:
     fn, q_length, bs = kwargs.get("mask_function"), kwargs.get("q_length"), kwargs.get("batch_size")
     if fn is None or not isinstance(q_length, int) or q_length < 2 or not isinstance(bs, int):
         return False
-    device = kwargs.get("device")
+    device = kwargs.get("device") or getattr(kwargs.get("attention_mask"), "device", None)
     q = (torch.arange(q_length - 1, device=device) + kwargs.get("q_offset", 0)).view(1, -1)  # [1 sl_l-1]
     batch = torch.arange(bs, device=device).view(-1, 1)  # [bs 1]
     return bool(fn(batch, torch.zeros_like(batch), q, q + 1).any())
