@@ -93,7 +93,6 @@ SEED = 0
 # plain torch on CPU, what Transformers' flash path would (tests.support.sp_cases.flash_standin: no mask,
 # documents from position_ids, sliding_window, softcap, attention sinks), against the model run eager
 CORES = ("sdpa", "flash-standin")
-_core = {"name": "sdpa"}  # this process's, set by _rank_main
 MAX_PARAMS = 3_000_000          # a tiny model here has 0.1-1M parameters
 SPAWN_SECONDS = 120             # on top of the case timeout, for a rank to start (imports, process group)
 
@@ -360,12 +359,11 @@ def tiny_config(name: str):
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def build(name: str, seed: int = SEED):
-    """The tiny model, fp32, sdpa (eager when the drop-in check runs the flash stand-in), deterministic init,
-    every dropout off."""
+def build(name: str, seed: int = SEED, attn: str = "sdpa"):
+    """The tiny model, fp32, running ``attn`` (sdpa; eager as the flash stand-in's reference), deterministic
+    init, every dropout off."""
     from transformers import AutoModelForCausalLM
 
-    attn = "eager" if _core["name"] == "flash-standin" else "sdpa"
     cfg = tiny_config(name)
     with torch.device("meta"):  # count first: an un-shrunk default (e.g. a 500K-row hash embedding) takes minutes
         size = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).parameters())
@@ -497,7 +495,8 @@ def _low_precision(model, dtype: torch.dtype):
     return model
 
 
-def _prepare(name: str, rec: dict, samples: dict, dtype: str = "fp32", loss_scale: float = 1.0) -> tuple:
+def _prepare(name: str, rec: dict, samples: dict, dtype: str = "fp32", loss_scale: float = 1.0,
+             attn: str = "sdpa") -> tuple:
     """(model to shard, references per sample kind), all computed before any SP registration: the
     drop-in call may replace the core attention process-wide. Raises Skip.
 
@@ -505,7 +504,7 @@ def _prepare(name: str, rec: dict, samples: dict, dtype: str = "fp32", loss_scal
     and gradients with parameters in that precision: how far it alone moves them from the fp32 reference,
     the noise an SP run in it is judged against, its backward scaled by ``loss_scale`` (fp16's)."""
     try:
-        base = build(name)
+        base = build(name, attn=attn)
         model = copy.deepcopy(base)  # before any forward: some models cache non-leaf tensors deepcopy refuses
         low = _low_precision(copy.deepcopy(base), LOW_DTYPES[dtype]) if dtype in LOW_DTYPES else None
         # on every kind of sample: on one, two training forwards can agree by chance (PhiMoE's did on the packed one)
@@ -631,22 +630,22 @@ def _outcome(rec: dict, steps: dict) -> dict:
 # -- the drop-in check ---------------------------------------------------------------------------------
 
 
-def sp_step_check(rank: int, sp: int, name: str, samples: dict, phase=lambda p: None) -> dict:
+def sp_step_check(rank: int, sp: int, name: str, samples: dict, phase=lambda p: None, core: str = "sdpa") -> dict:
     """One step per micro-batch through the drop-in API at sp ``sp``, plain then packed (with several SP
-    groups, each trains on its own ranks' samples)."""
+    groups, each trains on its own ranks' samples), on ``core`` (:data:`CORES`)."""
     import ds_ulysses
     from ds_ulysses import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter, enable_sp_loss
 
     rec = {"model": name, "mode": "dropin", "config_note": OVERRIDES.get(name, (None, ""))[1]}
     phase("build and reference")
     try:
-        model, refs = _prepare(name, rec, samples)
+        model, refs = _prepare(name, rec, samples, attn="eager" if core == "flash-standin" else "sdpa")
     except Skip as why:
         return {**rec, "status": "skipped", "why": str(why)}
     current, first_forward, steps = "register", True, {"plain": [], "packed": []}
     try:
         phase(current)
-        if _core["name"] == "flash-standin":  # the eager model switched to the core, as initialize does
+        if core == "flash-standin":  # the eager model switched to the core, as initialize does
             mpu = UlyssesSPAttentionHF.register_with_transformers(model, "flash_attention_2", sp, 1, scope="model")
         else:
             mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1)
@@ -855,7 +854,6 @@ def _rank_main(rank: int, world_size: int, sp: int, port: int, check: str, cases
 
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    _core["name"] = core
     if core == "flash-standin":
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -865,7 +863,7 @@ def _rank_main(rank: int, world_size: int, sp: int, port: int, check: str, cases
     fn = CHECKS[check]
     micros = engine_opts["steps"] * engine_opts["gas"]
     samples = _samples(max(world_size, world_size // sp * micros), length, docs, batch)
-    extra = engine_opts if check == "engine" else {}
+    extra = engine_opts if check == "engine" else {"core": core}
     for case in cases:
         queue.put(("start", rank, case, None))
         try:
