@@ -6,9 +6,9 @@
 `python examples/train.py --help` lists the options; the job itself is ds_ulysses.train.job.
 """
 
-from ds_ulysses.train.job import main, train
+from ds_ulysses.train.job import leave, main, train
 
 __all__ = ["main", "train"]
 
 if __name__ == "__main__":
-    main()
+    leave(main())
