@@ -379,12 +379,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
     # The result is written and closed. Interpreter teardown then aborted a finished rank ("terminate called
-    # without an active exception") in 2 launches of ~150 on 2026-11-24, voiding figures already on disk: a
-    # gloo worker thread of a group DeepSpeed still holds released a collective's tensors and needed the GIL
-    # of the exiting interpreter (traced with gdb on the training script, ds_ulysses.train.job.main); a
-    # finished rank leaves without that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # without an active exception") in 2 launches of ~150 on 2026-11-24, voiding figures already on disk;
+    # a finished rank leaves without that teardown (ds_ulysses.train.job.leave says why), imported only now so
+    # that the DeepSpeed arm measures without ds_ulysses loaded.
+    code = main()
+    from ds_ulysses.train.job import leave
+
+    leave(code)
