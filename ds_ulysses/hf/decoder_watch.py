@@ -1,6 +1,7 @@
 """The forward hooks a decoder SP serves gets: its position_ids judged before the model uses them, a
 forward that never reached the SP attention refused, and a training forward whose loss SP does not serve
-refused (:func:`unserved_loss_scope`).
+refused (:func:`unserved_loss_scope`). Pre-hooks on the decoder's own modules note whether one took the
+call's position_ids, for models whose attention calls get none.
 
 Transformers invents local position_ids (``arange`` over the shard) when a call passes none, which is
 silently wrong under SP; the pre-forward hook sees the call first. A model that computes attention
@@ -49,9 +50,11 @@ def watch_decoder(decoder, uattn, owner, tag: str) -> None:
         handle.remove()
     before = decoder.register_forward_pre_hook(functools.partial(_check_positions, uattn), with_kwargs=True)
     after = decoder.register_forward_hook(functools.partial(_check_sp_ran, uattn))
-    decoder.__dict__["_ulysses_hooks"] = (uattn, before, after)
+    taken = [child.register_forward_pre_hook(functools.partial(_note_positions_taken, uattn), with_kwargs=True)
+             for child in decoder.children()]
+    decoder.__dict__["_ulysses_hooks"] = (uattn, before, after, *taken)
     decoder.__dict__["_ulysses_watched"] = uattn.watch.step
-    for handle in (before, after):
+    for handle in (before, after, *taken):
         PATCHES.on_undo(handle.remove, tag, owner=owner)
     PATCHES.on_undo(lambda: [decoder.__dict__.pop(k, None) for k in ("_ulysses_watched", "_ulysses_hooks")], tag,
                     owner=owner)
@@ -70,6 +73,15 @@ def _check_sp_ran(uattn, module, args, output):
             "own shard; expected the model to look its attention up by that name at every call; fix: build the "
             f"model with attn_implementation='{uattn.core_attn_implementation}' before registering SP, try another "
             "core (flash_attention_2), or train this model without sequence parallelism")
+
+
+def _note_positions_taken(uattn, module, args, kwargs):
+    """Pre-hook of the decoder's own modules: did one (a position or rotary embedding) take the model call's
+    position_ids tensor itself? Then the model places its tokens by them, and an attention call that gets
+    none may use them (:meth:`~ds_ulysses.sp.attention.UlyssesAttention._gather_positions`)."""
+    given = uattn.call_positions
+    if given is not None and any(x is given for x in (*args, *kwargs.values())):
+        uattn.call_positions_used = True
 
 
 def _check_positions(uattn, module, args, kwargs):
@@ -110,6 +122,8 @@ def _check_positions(uattn, module, args, kwargs):
         return None
     bs, sl_l = ref.shape[:2]
     uattn.input_verdict = check_positions(given, bs, sl_l)
+    if uattn.input_verdict.ok:
+        uattn.call_positions = given
     if uattn.input_verdict.ok or given is None:
         return None
     standin = torch.arange(sl_l, device=ref.device).expand(bs, sl_l)

@@ -107,6 +107,11 @@ class UlyssesAttention(torch.nn.Module):
         self.input_verdict = None
         # the hook's ShardCheck of the model input (ds_ulysses.sp.shards): is it the data adapter's shard?
         self.shard_verdict = ShardCheck()
+        # the model call's position_ids, set by the same hook, and whether one of the decoder's own modules (its
+        # position embedding, its rotary embedding) took that very tensor during this forward: the positions of a
+        # model whose attention calls get none (GPTBigCode's, Persimmon's)
+        self.call_positions = None
+        self.call_positions_used = False
         self._forward_state = None  # (position_ids as given, its version, gathered state)
         self._plans: dict[tuple[int, int], HeadPlan] = {}
         self._layouts: dict = {}
@@ -121,16 +126,21 @@ class UlyssesAttention(torch.nn.Module):
         """Forget the gathered positions: the next layer call starts a new model forward (called by the
         decoder's pre-forward hook; without it a forward is recognised by its position_ids tensor)."""
         self._forward_state = None
+        self.call_positions, self.call_positions_used = None, False
 
     # -- once per model forward -----------------------------------------------------------------
     def _gather_positions(self, given, query: torch.Tensor, key: torch.Tensor, varlen: bool = False):
         """Global position_ids and every rank's shard length, gathered once per model forward.
 
         Every layer receives the very same position_ids tensor, so the first layer gathers and the
-        others (and gradient-checkpointing recomputes) reuse it. The first gather also carries each
-        rank's check of its inputs (``varlen``: the call carries a batch's varlen offsets), so every rank
-        raises the same error or none does.
+        others (and gradient-checkpointing recomputes) reuse it. An attention call without position_ids
+        takes the model call's, if the model's own position or rotary embedding took them, as its mask
+        builder does; otherwise it is refused. The first gather also carries each rank's check of its
+        inputs (``varlen``: the call carries a batch's varlen offsets), so every rank raises the same
+        error or none does.
         """
+        if given is None and self.call_positions_used:
+            given = self.call_positions
         state = self._forward_state
         if state is not None and given is not None and state[0] is given and state[1] == given._version:
             return state[2]

@@ -44,7 +44,7 @@ class Problem(enum.IntEnum):
     POSITIONS_DTYPE = 2
     POSITIONS_SHAPE = 3
     NEGATIVE_POSITIONS = 4
-    NOT_FORWARDED = 5      # the model call had position_ids, its attention call none
+    NOT_FORWARDED = 5      # the model call had position_ids; its attention call and its embeddings none
     VARLEN_OFFSETS = 6     # the attention call carries a batch's varlen offsets (cu_seq_lens_*, max_length_*)
     MASK_LOOKS_AHEAD = 7   # the model's mask lets a token attend to the next one (a bidirectional overlay)
 
@@ -146,10 +146,11 @@ def _cache_message(facts: ForwardFacts) -> str:
 def _problem_message(facts: ForwardFacts) -> str:
     pos, bs, sl_l = facts.positions, facts.batch, facts.seq_len
     if pos.problem == Problem.NOT_FORWARDED:
-        return ("position_ids reached the model call but not its attention function: this architecture's attention "
-                "modules do not pass them on, so SP cannot tell where each token sits in the whole sequence (or "
-                "where packed documents start); expected position_ids in the attention call's kwargs; fix: train "
-                "this model without sequence parallelism")
+        return ("position_ids reached the model call but not its attention function, and none of the decoder's own "
+                "modules (a position or rotary embedding) took that tensor either: the model places its tokens some "
+                "other way, so SP cannot tell where each token sits in the whole sequence (or where packed documents "
+                "start); expected position_ids in the attention call's kwargs, or taken as given by the model's "
+                "position embedding; fix: train this model without sequence parallelism")
     if pos.problem == Problem.VARLEN_OFFSETS:
         return (f"the attention call carries flash attention's varlen offsets ({', '.join(VARLEN_KEYS)}) from the "
                 "batch: they place the documents of the whole unsharded row, which neither a shard nor the "

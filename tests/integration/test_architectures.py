@@ -36,7 +36,8 @@ DROPIN = [
     "falcon",      # its sdpa branch calls F.scaled_dot_product_attention itself: refused at the first forward
     "doge",        # builds its own attention mask inside the attention module: refused
     "gemma4_text",  # per-layer head_dim (16 vs 512): each call's q/k/v decide the head split
-    "ctrl",        # its attention modules do not forward position_ids: refused naming that
+    "ctrl",        # positions reach neither its attention calls nor a module (it indexes a table): refused
+    "gpt_bigcode",  # its attention calls get no position_ids; its position embedding takes the call's: served
     "llama+rope_dynamic",  # RoPE scaled by the batch's longest position: refused
     "mixtral+aux",  # a router load-balancing loss: the whole sequence's, from the SP group's routing statistics
 ]
@@ -50,9 +51,10 @@ ENGINE = ["llama@tiled", "cohere@tiled", "granite@tiled", "gemma3_text@tiled",
           "llama@offload",        # checkpointed layers with their inputs on the host
           "gemma3_text@all-tools"]  # loss tiles, tiled MLPs and offload at once; a tied, soft-capped head
 # the cause a refusal must name
-REFUSED_FOR = {"opt@mlp": "tiled_mlp is enabled but OPTForCausalLM's decoder has no module named 'mlp'"}
+REFUSED_FOR = {"opt@mlp": "tiled_mlp is enabled but OPTForCausalLM's decoder has no module named 'mlp'",
+               "ctrl": "none of the decoder's own modules (a position or rotary embedding) took that tensor"}
 # served, never refused
-EXACT = {"llama", "mixtral", "mixtral+aux", "llama@tiled", "qwen2_moe+aux@tiled", "mixtral+aux@mlp"}
+EXACT = {"llama", "mixtral", "mixtral+aux", "gpt_bigcode", "llama@tiled", "qwen2_moe+aux@tiled", "mixtral+aux@mlp"}
 
 
 def _names(params) -> list[str]:
@@ -82,6 +84,8 @@ def _check(rec: dict) -> None:
 def test_dropin_api_is_exact_or_refuses(name, dropin_results):
     _check(dropin_results[name])
     assert name not in EXACT or dropin_results[name]["status"] == "exact", summary(dropin_results[name])
+    if name in REFUSED_FOR:
+        assert dropin_results[name]["status"] == "refused" and REFUSED_FOR[name] in dropin_results[name]["message"]
 
 
 # the drop-in API on the flash path: flash_attention_2's contract in plain torch (tests.support.sp_cases.flash_standin)
