@@ -17,6 +17,7 @@ import contextvars
 import functools
 
 import torch
+from transformers.utils import ModelOutput
 
 from ..patching import PATCHES
 from ..sp.forward_check import check_positions
@@ -65,6 +66,7 @@ def sp_active(uattn, module) -> bool:
 
 
 def _check_sp_ran(uattn, module, args, output):
+    _await_backward(uattn, module, output)
     if sp_active(uattn, module) and uattn.watch.step == module.__dict__.get("_ulysses_watched"):
         raise ValueError(
             f"model not servable by Ulysses SP: {type(module).__name__}.forward ran without the SP attention: none "
@@ -75,13 +77,28 @@ def _check_sp_ran(uattn, module, args, output):
             "core (flash_attention_2), or train this model without sequence parallelism")
 
 
+def _await_backward(uattn, module, output) -> None:
+    """After a forward whose attention calls took the model call's position_ids, under gradient checkpointing:
+    until its backward reaches the decoder's output, another SP forward is refused (:func:`_check_positions`),
+    since the recompute in backward takes the positions of the latest forward."""
+    hidden = output[0] if isinstance(output, (tuple, ModelOutput)) else output
+    if (uattn.call_positions_served and torch.is_tensor(hidden) and hidden.requires_grad
+            and any(getattr(m, "gradient_checkpointing", False) for m in module.modules())):
+        uattn.awaiting_backward = True
+        hidden.register_hook(functools.partial(_backward_reached, uattn))
+
+
+def _backward_reached(uattn, grad):
+    uattn.awaiting_backward = False
+
+
 def _note_positions_taken(uattn, module, args, kwargs):
     """Pre-hook of the decoder's own modules: did one (a position or rotary embedding) take the model call's
     position_ids tensor itself? Then the model places its tokens by them, and an attention call that gets
     none may use them (:meth:`~ds_ulysses.sp.attention.UlyssesAttention._gather_positions`)."""
     given = uattn.call_positions
     if given is not None and any(x is given for x in (*args, *kwargs.values())):
-        uattn.call_positions_used = True
+        uattn.call_positions_taken = True
 
 
 def _check_positions(uattn, module, args, kwargs):
@@ -112,6 +129,13 @@ def _check_positions(uattn, module, args, kwargs):
             "expected the loss of Trainer.compute_loss, whose SP branch is the whole sequence's token loss (TRL's "
             f"SFTTrainer calls it); fix: train without sequence parallelism (no \"ulysses\" section, no "
             f"parallelism_config sp_size), or have {owner} return super().compute_loss(...)")
+    if uattn.awaiting_backward:
+        raise ValueError(
+            f"Ulysses SP cannot serve another forward of {type(module).__name__} before the backward of the last "
+            "one: its attention calls get no position_ids, so SP takes the model call's, and gradient checkpointing "
+            "recomputes the attention in backward with the latest forward's, silently wrong for an earlier one; "
+            "expected backward after each training forward (gradient accumulation does so); fix: call backward on "
+            "each forward's loss before the next forward, or turn gradient checkpointing off")
     uattn.new_forward()
     module.__dict__["_ulysses_watched"] = uattn.watch.step
     uattn.shard_verdict = SHARDS.verdict(uattn.process_group, ids)

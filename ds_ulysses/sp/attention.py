@@ -111,7 +111,9 @@ class UlyssesAttention(torch.nn.Module):
         # position embedding, its rotary embedding) took that very tensor during this forward: the positions of a
         # model whose attention calls get none (GPTBigCode's, Persimmon's)
         self.call_positions = None
-        self.call_positions_used = False
+        self.call_positions_taken = False
+        self.call_positions_served = False  # this forward's attention calls got them from here
+        self.awaiting_backward = False  # a training forward served so has not been back-propagated yet
         self._forward_state = None  # (position_ids as given, its version, gathered state)
         self._plans: dict[tuple[int, int], HeadPlan] = {}
         self._layouts: dict = {}
@@ -126,7 +128,7 @@ class UlyssesAttention(torch.nn.Module):
         """Forget the gathered positions: the next layer call starts a new model forward (called by the
         decoder's pre-forward hook; without it a forward is recognised by its position_ids tensor)."""
         self._forward_state = None
-        self.call_positions, self.call_positions_used = None, False
+        self.call_positions, self.call_positions_taken, self.call_positions_served = None, False, False
 
     # -- once per model forward -----------------------------------------------------------------
     def _gather_positions(self, given, query: torch.Tensor, key: torch.Tensor, varlen: bool = False):
@@ -139,8 +141,8 @@ class UlyssesAttention(torch.nn.Module):
         inputs (``varlen``: the call carries a batch's varlen offsets), so every rank raises the same
         error or none does.
         """
-        if given is None and self.call_positions_used:
-            given = self.call_positions
+        if given is None and self.call_positions_taken:
+            given, self.call_positions_served = self.call_positions, True
         state = self._forward_state
         if state is not None and given is not None and state[0] is given and state[1] == given._version:
             return state[2]

@@ -430,3 +430,51 @@ def test_a_mask_that_lets_a_token_see_the_next_one_is_refused_on_every_rank():
         assert out["causal"] <= 1e-5
         assert out["prefix"].startswith("SP rank 0: the model's attention mask lets a token attend to the token "
                                         "after it (a bidirectional overlay: a PrefixLM's prefix from token_type_ids")
+
+
+def _positions_from_the_model_call(rank, world_size):
+    """GPT-BigCode: its attention calls get no position_ids, its position embedding takes the model call's.
+    Two packed samples with documents in different places, under gradient checkpointing: a backward after
+    each forward gives the gradients of the same steps without checkpointing (whose recompute takes the
+    positions of the forward it recomputes), and a second forward before the first one's backward is
+    refused."""
+    from tests.architectures import build
+
+    base = build("gpt_bigcode")
+    positions = [torch.cat([torch.arange(10), torch.arange(22)])[None], torch.cat([torch.arange(23), torch.arange(9)])[None]]
+    samples = []
+    for seed, pos in enumerate(positions):
+        ids = torch.randint(0, 64, (1, 32), generator=torch.Generator().manual_seed(seed))
+        samples.append({"input_ids": ids, "labels": ids.clone(), "position_ids": pos})
+
+    def run(checkpointing, together):
+        model = copy.deepcopy(base).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world_size, 1, scope="model")
+        enable_sp_loss(model, mpu.get_sequence_parallel_group())
+        micros = [next(iter(UlyssesSPDataLoaderAdapter([s], mpu.get_sequence_parallel_rank(),
+                                                       mpu.get_sequence_parallel_group(), world_size, "cpu")))
+                  for s in samples]
+        try:
+            if together:
+                sum(model(**m).loss for m in micros).backward()
+            else:
+                for m in micros:
+                    model(**m).loss.backward()
+            return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        except ValueError as err:
+            return str(err)
+        finally:
+            unregister_from_transformers()
+
+    plain = run(checkpointing=False, together=False)
+    return {"each": rel_err(run(checkpointing=True, together=False), plain),
+            "together": run(checkpointing=True, together=True)}
+
+
+def test_positions_from_the_model_call_serve_checkpointing_one_forward_at_a_time():
+    for out in run_distributed(_positions_from_the_model_call, 2):
+        assert out["each"] <= 1e-5
+        assert isinstance(out["together"], str) and out["together"].startswith(
+            "Ulysses SP cannot serve another forward of GPTBigCodeModel before the backward of the last one")
