@@ -6,7 +6,7 @@ from ..memory.offload import OffloadedCheckpoint
 from ..patching import PATCHES
 
 __all__ = ["enable_activation_checkpoint_offload", "disable_activation_checkpoint_offload",
-           "check_checkpoint_offload"]
+           "check_checkpoint_offload", "checkpointing_on"]
 
 _TAG = "checkpoint_offload"
 
@@ -21,7 +21,7 @@ def enable_activation_checkpoint_offload(model):
     Undone by `disable_activation_checkpoint_offload` or `ds_ulysses.uninstall`.
     """
     check_checkpoint_offload(model)
-    if not _checkpointing_on(model):
+    if not checkpointing_on(model):
         owner = _checkpointing_owner(model)
         enable = getattr(owner, "activation_checkpointing_enable", None)
         if enable is not None:
@@ -42,7 +42,7 @@ def enable_activation_checkpoint_offload(model):
 def check_checkpoint_offload(model) -> None:
     """Raise unless :func:`enable_activation_checkpoint_offload` can serve `model`: its layers are
     checkpointed already, or it is a model Transformers can checkpoint (``supports_gradient_checkpointing``)."""
-    if _checkpointing_on(model):
+    if checkpointing_on(model):
         return
     owner = _checkpointing_owner(model)
     if getattr(owner, "supports_gradient_checkpointing", True) is False:
@@ -79,7 +79,8 @@ def _checkpointed_layers(model):
     return [m for m in holders if isinstance(m, GradientCheckpointingLayer)] or holders
 
 
-def _checkpointing_on(model):
+def checkpointing_on(model):
+    """Whether any module of ``model`` has Transformers' gradient checkpointing switched on."""
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 

@@ -21,6 +21,7 @@ from transformers.utils import ModelOutput
 
 from ..patching import PATCHES
 from ..sp.forward_check import check_positions
+from .checkpointing import checkpointing_on
 from ..sp.shards import SHARDS
 
 __all__ = ["watch_decoder", "sp_active", "unserved_loss_scope"]
@@ -83,7 +84,7 @@ def _await_backward(uattn, module, output) -> None:
     since the recompute in backward takes the positions of the latest forward."""
     hidden = output[0] if isinstance(output, (tuple, ModelOutput)) else output
     if (uattn.call_positions_served and torch.is_tensor(hidden) and hidden.requires_grad
-            and any(getattr(m, "gradient_checkpointing", False) for m in module.modules())):
+            and checkpointing_on(module)):
         uattn.awaiting_backward = True
         hidden.register_hook(functools.partial(_backward_reached, uattn))
 
