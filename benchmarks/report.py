@@ -26,7 +26,7 @@ from .bench import NOISE_ARM, launch_peak, launch_time, model_key, summarize
 from .rank import MODEL_DEFAULTS
 
 __all__ = ["format_group", "format_run", "write_report", "ratio_rows", "noise_of", "verdict", "target_verdict",
-           "ulysses_min_bytes", "targets", "PROFILE_COLUMNS"]
+           "spread", "ulysses_min_bytes", "targets", "PROFILE_COLUMNS"]
 
 STYLES = {"deepspeed": "o--", "ours-dropin": "s-", "ours": "^-", "deepspeed-alst": "d:"}  # plot line per arm
 PRODUCT_MIN_SEQ = 16384  # the product targets are stated at S = 16K and 32K
@@ -105,7 +105,8 @@ def target_verdict(ratio: float, noise: float | None, target: float | None) -> s
     return "undecided (target within noise)"
 
 
-def _spread(values: list[float], digits: int = 2) -> str:
+def spread(values: list[float], digits: int = 2) -> str:
+    """The median of `values`, with their range in brackets when there are several."""
     med = statistics.median(values)
     if len(values) == 1:
         return f"{med:.{digits}f}"
@@ -169,10 +170,10 @@ def format_ratios(records: list[dict]) -> str:
     rows = []
     for r in ratio_rows(records):
         rows.append([r["name"], _k(r["S"]), r["sp"], r["packed"] or "-", r["model"] or "default",
-                     f"{r['ds_time']:.2f}", f"{r['time']:.2f}", f"**{_spread(r['times'])}**",
+                     f"{r['ds_time']:.2f}", f"{r['time']:.2f}", f"**{spread(r['times'])}**",
                      _noise_text(r["noise_time"]),
                      r["time_verdict"], _target_text(r["time_target"], r["time_target_verdict"]),
-                     f"{r['ds_peak'] / GIB:.2f}", f"{r['peak'] / GIB:.2f}", f"**{_spread(r['mems'], 3)}**",
+                     f"{r['ds_peak'] / GIB:.2f}", f"{r['peak'] / GIB:.2f}", f"**{spread(r['mems'], 3)}**",
                      _noise_text(r["noise_mem"]), r["mem_verdict"],
                      _target_text(r["mem_target"], r["mem_target_verdict"]),
                      f"{r['ds_loss']:.4f} / {r['loss']:.4f}", r["reps"]])
@@ -335,8 +336,8 @@ def format_layer(records: list[dict]) -> str:
         ratios = [res["ours_s"] / res["deepspeed_s"] for res in results]
         again = [res[f"{NOISE_ARM}_s"] / res["deepspeed_s"] for res in results if f"{NOISE_ARM}_s" in res]
         noise = max(abs(r - 1) for r in again) if again else None
-        seconds = [_spread([res[f"{arm}_s"] for res in results], 3) for arm in ("deepspeed", "ours")]
-        rows.append([_k(seq_len), sp, f"{len(results)} x {results[0]['iters']}", *seconds, f"**{_spread(ratios)}**",
+        seconds = [spread([res[f"{arm}_s"] for res in results], 3) for arm in ("deepspeed", "ours")]
+        rows.append([_k(seq_len), sp, f"{len(results)} x {results[0]['iters']}", *seconds, f"**{spread(ratios)}**",
                      _noise_text(noise), target_verdict(statistics.median(ratios), noise, 1.0),
                      "yes" if all(res["same_output_and_grad"] for res in results) else "NO"])
     return _table(["S", "sp", "launches x iterations", "DeepSpeed s", "ours s", "ours / DS", "noise", "<= 1",

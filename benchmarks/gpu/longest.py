@@ -25,7 +25,11 @@ calls, and retries (a failed cudaMalloc that frees every cached block and synchr
 step's, since the first pays one-off costs (pinned host buffers, kernel selection). The search doubles S
 until a trial fails, then bisects to ``--resolution`` tokens; ``--at S ...`` instead runs both at those
 lengths and prints ours / deepspeed for time and memory. Every arm starts from the same (seeded) weights
-and data, so their per-step losses (recorded) agree. Run on the GPU machine:
+and data, so their per-step losses (recorded) agree. With ``--at``, ``--repeat N`` runs the arms N times
+in alternating order, DeepSpeed's twice per repetition (the noise arm, as in the CPU benchmark), and
+judges each ratio against that noise; ``--profile`` profiles one more step per trial, phase by phase
+(:mod:`benchmarks.gpu.kernels`), and prints the operators where each arm's device time differs most from
+DeepSpeed's. Run on the GPU machine:
 
     python -m benchmarks.gpu.longest --model llama-3.2-3b --out benchmarks/results/gpu.jsonl
     python -m benchmarks.gpu.longest --model llama-3.2-1b --at 65536 262144
@@ -47,6 +51,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.gpu.kernels import profiled_step
 from benchmarks.rank import MODEL_DEFAULTS as CPU_MODEL
 
 MODELS = {  # Llama-3 family shapes (config numbers only)
@@ -182,11 +187,14 @@ def timed_steps(engine, forward, steps: int, sync, counts=dict) -> tuple[list[li
     return phases, losses, grew
 
 
-def trial(impl: str, model_name: str, seq_len: int, attn: str, steps: int, device: str = "cuda") -> dict:
+def trial(impl: str, model_name: str, seq_len: int, attn: str, steps: int, device: str = "cuda",
+          profile: bool = False) -> dict:
     """``steps`` steps at ``seq_len`` in this process (run through :func:`launch`). Time is the last step's:
     the first pays one-off costs (pinned host buffers, kernel selection, the optimizer's first touch of
     its states) that a training run pays once; the first is reported too, and every step's loss. Peak
-    memory is over all: CUDA's allocated peak, or on the CPU the process's RSS high-water mark."""
+    memory is over all: CUDA's allocated peak, or on the CPU the process's RSS high-water mark. With
+    `profile`, one more step, after the timed ones and the peak's reading, is profiled phase by phase
+    (:mod:`benchmarks.gpu.kernels`)."""
     import resource
 
     import deepspeed
@@ -207,20 +215,24 @@ def trial(impl: str, model_name: str, seq_len: int, attn: str, steps: int, devic
     phases, losses, allocators = timed_steps(engine, forward, steps, sync, allocator_counts if gpu else dict)
     seconds = sum(phases[-1])
     peak = torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
-    return {"impl": impl, "model": model_name, "seq_len": seq_len, "device": device, "ok": True, "loss": losses[0],
-            "losses": losses, "steps": phases, "allocators_per_step": allocators, "first_step_s": sum(phases[0]),
-            "seconds": seconds, "tokens_per_s": seq_len / seconds, "peak_gib": peak / (1 << 30)}
+    result = {"impl": impl, "model": model_name, "seq_len": seq_len, "device": device, "ok": True, "loss": losses[0],
+              "losses": losses, "steps": phases, "allocators_per_step": allocators, "first_step_s": sum(phases[0]),
+              "seconds": seconds, "tokens_per_s": seq_len / seconds, "peak_gib": peak / (1 << 30)}
+    if profile:
+        result["profile"] = profiled_step(engine, forward, sync, gpu)
+    return result
 
 
 def launch(impl: str, model_name: str, seq_len: int, attn: str, timeout: float, steps: int = 3,
-           device: str = "cuda") -> dict:
+           device: str = "cuda", profile: bool = False) -> dict:
     """:func:`trial` in a fresh process; a crash or out-of-memory is a failed trial, not an error."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29511"),
            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     cmd = [sys.executable, "-m", "benchmarks.gpu.longest", "--trial", impl, "--model", model_name,
-           "--seq-len", str(seq_len), "--attn", attn, "--steps", str(steps), "--device", device]
+           "--seq-len", str(seq_len), "--attn", attn, "--steps", str(steps), "--device", device] \
+        + (["--profile"] if profile else [])
     root = Path(__file__).resolve().parents[2]
     try:
         done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
@@ -252,36 +264,33 @@ def longest(impl, model_name, start, resolution, attn, timeout, log, steps=3, de
     return good, trials
 
 
-def side_by_side(impls, model_name, seq_lens, attn, timeout, log, steps=3, device="cuda") -> dict:
-    """Each implementation at each length (no search): {S: {impl: trial}}."""
-    return {s: {impl: log(launch(impl, model_name, s, attn, timeout, steps, device)) for impl in impls}
-            for s in seq_lens}
+def arms(impls, noise: bool) -> list[tuple[str, str]]:
+    """(arm, implementation) per arm: the implementations, and with `noise` DeepSpeed's again after it
+    (``deepspeed[again]``, the same code in a fresh process: its ratio to ``deepspeed`` is the noise)."""
+    from benchmarks.bench import NOISE_ARM
+
+    out = []
+    for impl in impls:
+        out.append((impl, impl))
+        if impl == "deepspeed" and noise:
+            out.append((NOISE_ARM, impl))
+    return out
 
 
-def _cell(impl: str, t: dict) -> str:
-    if not t["ok"]:
-        return f"{impl} failed ({t['why'][:60]})"
-    first, done = t.get("allocators_per_step", [{}])[0], []
-    if first.get("pinned_allocs"):
-        done.append(f"{first['pinned_alloc_s']:.2f} s creating {first['pinned_allocs']} pinned host blocks")
-    for key, what in (("cuda_mallocs", "cudaMalloc"), ("alloc_retries", "allocator retries")):
-        if first.get(key):
-            done.append(f"{first[key]} {what}")
-    steps = "steps " + ", ".join(f"{sum(step):.2f}" for step in t["steps"]) + (": " + ", ".join(done) if done else "")
-    return f"{impl} {t['seconds']:.2f} s/step ({steps}), {t['peak_gib']:.1f} GiB"
-
-
-def _ratios(by_len: dict) -> list[str]:
-    lines = []
-    for s, arms in by_len.items():
-        cells = [_cell(impl, t) for impl, t in arms.items()]
-        theirs = arms.get("deepspeed")
-        for impl, ours in arms.items():
-            if impl != "deepspeed" and theirs and ours["ok"] and theirs["ok"]:
-                cells.append(f"{impl} / deepspeed: time {ours['seconds'] / theirs['seconds']:.2f}, "
-                             f"memory {ours['peak_gib'] / theirs['peak_gib']:.2f}")
-        lines.append(f"  S={s:>9,}: " + "; ".join(cells))
-    return lines
+def side_by_side(impls, model_name, seq_lens, attn, timeout, log, steps=3, device="cuda", repeat=1, noise=False,
+                 profile=False) -> dict:
+    """Each arm at each length (no search), `repeat` times, the arms' order reversed every other repetition
+    so that no arm always runs first or last: {S: {arm: [trial per repetition]}}. A trial is logged with its
+    arm and repetition."""
+    by_len = {}
+    for s in seq_lens:
+        trials = by_len[s] = {arm: [] for arm, _ in arms(impls, noise)}
+        for rep in range(repeat):
+            order = arms(impls, noise)
+            for arm, impl in order if rep % 2 == 0 else order[::-1]:
+                trials[arm].append(log({**launch(impl, model_name, s, attn, timeout, steps, device, profile),
+                                        "arm": arm, "rep": rep}))
+    return by_len
 
 
 def main(argv=None) -> int:
@@ -298,6 +307,14 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: fp32, no pinned memory, peak = RSS; for checking the arms where there is no "
                              "GPU (with --model tiny)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="with --at: run the arms this many times, alternating their order; from 2 on, "
+                             "DeepSpeed's arm runs twice per repetition (the noise arm) and ratios get verdicts")
+    parser.add_argument("--no-noise", dest="noise", action="store_false",
+                        help="with --repeat 2 or more: leave out the noise arm (no verdicts)")
+    parser.add_argument("--profile", action="store_true",
+                        help="each trial profiles one more step, phase by phase; prints the operators where "
+                             "each arm's device time differs most from DeepSpeed's")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per trial")
     parser.add_argument("--out", default="benchmarks/results/gpu.jsonl", help="every trial, as JSON lines")
     parser.add_argument("--trial", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
@@ -305,12 +322,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
+    if (args.repeat > 1 or args.profile) and not args.at and not args.trial:
+        parser.error("--repeat and --profile compare arms at fixed lengths: give the lengths with --at S ...")
     if args.trial:  # inside one trial's process
-        print(json.dumps(trial(args.trial, args.model, args.seq_len, args.attn, args.steps, args.device)), flush=True)
+        print(json.dumps(trial(args.trial, args.model, args.seq_len, args.attn, args.steps, args.device,
+                               args.profile)), flush=True)
         return 0
     import torch
 
     from benchmarks.bench import stamp
+    from benchmarks.gpu.summary import profile_lines, ratio_lines
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -321,14 +344,17 @@ def main(argv=None) -> int:
             f.write(json.dumps({**result, **where, "steps_per_trial": args.steps}) + "\n")
         state = (f"ok, {result['seconds']:.2f} s/step, {result['tokens_per_s']:,.0f} tok/s, "
                  f"{result['peak_gib']:.1f} GiB" if result["ok"] else f"failed: {result['why']}")
-        print(f"{result['impl']:>15} S={result['seq_len']:>9,}: {state}", flush=True)
+        print(f"{result.get('arm', result['impl']):>16} S={result['seq_len']:>9,}: {state}", flush=True)
         return result
 
     hardware = f"{where['gpu']}, bf16" if args.device == "cuda" else f"{where['machine']}, fp32, peak RSS"
     setting = f"{args.model}, {hardware}, ZeRO-3 + CPU optimizer, last of {args.steps} steps"
     if args.at:
-        by_len = side_by_side(args.impl, args.model, args.at, args.attn, args.timeout, log, args.steps, args.device)
-        print(f"\nside by side ({setting}):", *_ratios(by_len), sep="\n")
+        by_len = side_by_side(args.impl, args.model, args.at, args.attn, args.timeout, log, args.steps, args.device,
+                              args.repeat, args.noise and args.repeat > 1, args.profile)
+        print(f"\nside by side ({setting}):", *ratio_lines(by_len), sep="\n")
+        if args.profile:
+            print("\nwhere the profiled steps differ:", *profile_lines(by_len), sep="\n")
         return 0
     best = {impl: longest(impl, args.model, args.start, args.resolution, args.attn, args.timeout, log, args.steps,
                           args.device) for impl in args.impl}

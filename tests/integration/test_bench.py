@@ -419,7 +419,7 @@ def test_gpu_benchmark_side_by_side_prints_ratios_and_stamps_every_trial(monkeyp
 
     asked = []
 
-    def fake_launch(impl, model, seq_len, attn, timeout, steps, device):
+    def fake_launch(impl, model, seq_len, attn, timeout, steps, device, profile=False):
         asked.append((impl, seq_len, steps, device))
         if seq_len > 1000 and impl == "deepspeed":
             return {"impl": impl, "model": model, "seq_len": seq_len, "ok": False, "why": "CUDA out of memory"}
@@ -453,6 +453,73 @@ def test_gpu_benchmark_side_by_side_prints_ratios_and_stamps_every_trial(monkeyp
         longest.main(["--at", "512", "--steps", "0", "--out", str(out)])
 
 
+def test_gpu_benchmark_repeats_alternate_the_arms_and_judge_ratios_against_deepspeeds_own_noise(
+        monkeypatch, tmp_path, capsys):
+    """--repeat N runs every arm N times, DeepSpeed's twice per repetition (the noise arm), the order reversed
+    every other repetition; each ratio is paired within its repetition, printed as median [range], and
+    judged against the noise arm's largest deviation, as the CPU benchmark judges."""
+    from benchmarks.gpu import longest
+
+    asked = []
+    # per launch, in the order the arms run: ours, deepspeed, again | again, deepspeed, ours | ours, deepspeed, again
+    took = iter([5.0, 6.0, 6.06, 6.0, 5.94, 5.5, 6.0, 6.0, 6.0])
+
+    def fake_launch(impl, model, seq_len, attn, timeout, steps, device, profile=False):
+        asked.append(impl)
+        seconds = next(took)
+        return {"impl": impl, "model": model, "seq_len": seq_len, "ok": True, "seconds": seconds,
+                "first_step_s": seconds, "tokens_per_s": seq_len / seconds,
+                "peak_gib": {"ours": 8.0, "deepspeed": 12.0}[impl], "steps": [[seconds, 0.0, 0.0]] * steps}
+
+    monkeypatch.setattr(longest, "launch", fake_launch)
+    out = tmp_path / "gpu.jsonl"
+    assert longest.main(["--at", "512", "--repeat", "3", "--out", str(out)]) == 0
+    assert asked == ["ours", "deepspeed", "deepspeed", "deepspeed", "deepspeed", "ours", "ours", "deepspeed",
+                     "deepspeed"]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["arm"], r["rep"]) for r in records] == [
+        ("ours", 0), ("deepspeed", 0), (NOISE_ARM, 0), (NOISE_ARM, 1), ("deepspeed", 1), ("ours", 1),
+        ("ours", 2), ("deepspeed", 2), (NOISE_ARM, 2)]
+    printed = capsys.readouterr().out
+    assert "ours 5.50 [5.00-6.00] s/step, 8.0 [8.0-8.0] GiB over 3 trials" in printed
+    # ratios 5/6, 5.5/5.94, 6/6: median 0.93, beyond the noise arm's 1.0% (6.06/6); memory 0.67 every time, noise 0
+    assert "ours / deepspeed: time 0.93 [0.83-1.00] (faster, noise 1.0%), memory 0.67 [0.67-0.67] (less, noise 0.0%)" \
+        in printed
+    with pytest.raises(SystemExit):
+        longest.main(["--repeat", "2", "--out", str(out)])  # a search has nothing to repeat side by side
+
+
+def test_gpu_benchmark_profile_tables_give_each_operator_its_own_time_once():
+    """The profile's per-operator table: every call of an operator counted, its self time only (a linear
+    map's matmul is aten::mm's, not aten::linear's as well), so the operators' times add up to the
+    phase's total; and two arms' tables compared operator by operator, the largest differences first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.gpu.kernels import differences, operator_times
+
+    a, w, small = torch.randn(384, 384), torch.randn(384, 384), torch.randn(8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            torch.mm(a, w)
+        torch.nn.functional.linear(a, w)
+        small.add(1)
+    table = operator_times(prof.key_averages(), gpu=False)
+    operators = table["operators"]
+    assert operators["aten::mm"][1] == 4  # three direct calls and the linear map's
+    by_hand = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1000
+    assert table["ms"] == pytest.approx(by_hand, abs=0.01) == pytest.approx(sum(ms for ms, _ in operators.values()),
+                                                                           abs=0.01)
+    assert operators.get("aten::linear", [0.0])[0] < operators["aten::mm"][0] / 4  # its matmul is not its own
+    assert list(operator_times(prof.key_averages(), gpu=False, top=1)["operators"]) == ["aten::mm"]
+
+    ours = {"forward": {"ms": 10.0, "operators": {"aten::mm": [8.0, 2], "aten::add": [2.0, 1]}}}
+    theirs = {"forward": {"ms": 7.0, "operators": {"aten::mm": [6.0, 2], "aten::copy_": [1.0, 1]}}}
+    compared = differences(ours, theirs)
+    assert compared["forward"] == (10.0, 7.0, [("aten::add", 2.0, 0.0), ("aten::mm", 8.0, 6.0),
+                                               ("aten::copy_", 0.0, 1.0)])
+    assert compared["backward"] == compared["optimizer"] == (0.0, 0.0, [])
+
+
 def test_gpu_benchmark_search_doubles_then_bisects_and_prints_length_ratios(monkeypatch, tmp_path, capsys):
     """Without --at, each implementation's longest S: doubled from --start until a trial fails, then bisected
     to --resolution; every arm's length is printed against deepspeed's."""
@@ -461,7 +528,7 @@ def test_gpu_benchmark_search_doubles_then_bisects_and_prints_length_ratios(monk
     fits = {"ours": 3000, "ours-no-offload": 2200, "deepspeed": 1500}  # the longest S each "trains"
     asked = []
 
-    def fake_launch(impl, model, seq_len, attn, timeout, steps, device):
+    def fake_launch(impl, model, seq_len, attn, timeout, steps, device, profile=False):
         asked.append((impl, seq_len))
         if seq_len > fits[impl]:
             return {"impl": impl, "model": model, "seq_len": seq_len, "ok": False, "why": "CUDA out of memory"}
@@ -490,7 +557,7 @@ def test_gpu_benchmark_arms_train_the_same_model_the_same_way_on_cpu(tmp_path, c
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))  # not the harness's fixed default
     out = tmp_path / "gpu.jsonl"
-    assert longest.main(["--device", "cpu", "--model", "tiny", "--at", "256", "--steps", "2",
+    assert longest.main(["--device", "cpu", "--model", "tiny", "--at", "256", "--steps", "2", "--profile",
                          "--impl", "ours", "ours-no-offload", "deepspeed", "--out", str(out)]) == 0
     trials = {r["impl"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert sorted(trials) == ["deepspeed", "ours", "ours-no-offload"]
@@ -500,4 +567,10 @@ def test_gpu_benchmark_arms_train_the_same_model_the_same_way_on_cpu(tmp_path, c
     assert want[0] == pytest.approx(math.log(32000), rel=0.05)  # random weights: about uniform over the vocabulary
     for impl in ("ours", "ours-no-offload"):
         assert trials[impl]["losses"] == pytest.approx(want, rel=1e-5), impl
-    assert "ours / deepspeed: time" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "ours / deepspeed: time" in printed
+    for impl, t in trials.items():  # one more step, profiled phase by phase; matmuls run in each pass
+        assert set(t["profile"]) == {"forward", "backward", "optimizer"}, impl
+        assert all(t["profile"][phase]["operators"]["aten::mm"][0] > 0 for phase in ("forward", "backward")), impl
+    assert "S=256, ours against deepspeed, self time per operator in ms" in printed
+    assert "S=256, ours-no-offload against deepspeed" in printed
