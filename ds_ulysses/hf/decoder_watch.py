@@ -79,18 +79,26 @@ def _check_sp_ran(uattn, module, args, output):
 
 
 def _await_backward(uattn, module, output) -> None:
-    """After a forward whose attention calls took the model call's position_ids, under gradient checkpointing:
-    until its backward reaches the decoder's output, another SP forward is refused (:func:`_check_positions`),
-    since the recompute in backward takes the positions of the latest forward."""
+    """After a training forward whose attention calls took the model call's position_ids, under gradient
+    checkpointing: its backward, once it reaches the decoder's output, is refused if another forward has
+    begun since (:func:`_backward_reached`), before any layer is recomputed."""
     hidden = output[0] if isinstance(output, (tuple, ModelOutput)) else output
     if (uattn.call_positions_served and torch.is_tensor(hidden) and hidden.requires_grad
             and checkpointing_on(module)):
-        uattn.awaiting_backward = True
-        hidden.register_hook(functools.partial(_backward_reached, uattn))
+        hidden.register_hook(functools.partial(_backward_reached, uattn, uattn.forwards, type(module).__name__))
 
 
-def _backward_reached(uattn, grad):
-    uattn.awaiting_backward = False
+def _backward_reached(uattn, forward, owner, grad):
+    """The recompute in backward takes the positions of the latest forward: silently wrong for an earlier one,
+    so its backward raises on every rank (each ran the same forwards). A forward left without backward (its
+    loss raised, say) costs nothing: only its own backward is refused."""
+    if uattn.forwards != forward:
+        raise ValueError(
+            f"Ulysses SP cannot back-propagate a forward of {owner} after another forward of it has begun: its "
+            "attention calls get no position_ids, so SP takes the model call's, and gradient checkpointing "
+            "recomputes the attention in backward with the latest forward's, silently wrong for an earlier one; "
+            "expected backward on each forward's loss before the next forward (gradient accumulation does so); "
+            "fix: call backward before the next forward, evaluation included, or turn gradient checkpointing off")
 
 
 def _note_positions_taken(uattn, module, args, kwargs):
@@ -130,13 +138,6 @@ def _check_positions(uattn, module, args, kwargs):
             "expected the loss of Trainer.compute_loss, whose SP branch is the whole sequence's token loss (TRL's "
             f"SFTTrainer calls it); fix: train without sequence parallelism (no \"ulysses\" section, no "
             f"parallelism_config sp_size), or have {owner} return super().compute_loss(...)")
-    if uattn.awaiting_backward:
-        raise ValueError(
-            f"Ulysses SP cannot serve another forward of {type(module).__name__} before the backward of the last "
-            "one: its attention calls get no position_ids, so SP takes the model call's, and gradient checkpointing "
-            "recomputes the attention in backward with the latest forward's, silently wrong for an earlier one; "
-            "expected backward after each training forward (gradient accumulation does so); fix: call backward on "
-            "each forward's loss before the next forward, or turn gradient checkpointing off")
     uattn.new_forward()
     module.__dict__["_ulysses_watched"] = uattn.watch.step
     uattn.shard_verdict = SHARDS.verdict(uattn.process_group, ids)

@@ -113,7 +113,7 @@ class UlyssesAttention(torch.nn.Module):
         self.call_positions = None
         self.call_positions_taken = False
         self.call_positions_served = False  # this forward's attention calls got them from here
-        self.awaiting_backward = False  # a training forward served so has not been back-propagated yet
+        self.forwards = 0  # model forwards begun (new_forward): a recompute in backward belongs to the latest
         self._forward_state = None  # (position_ids as given, its version, gathered state)
         self._plans: dict[tuple[int, int], HeadPlan] = {}
         self._layouts: dict = {}
@@ -129,6 +129,7 @@ class UlyssesAttention(torch.nn.Module):
         decoder's pre-forward hook; without it a forward is recognised by its position_ids tensor)."""
         self._forward_state = None
         self.call_positions, self.call_positions_taken, self.call_positions_served = None, False, False
+        self.forwards += 1
 
     # -- once per model forward -----------------------------------------------------------------
     def _gather_positions(self, given, query: torch.Tensor, key: torch.Tensor, varlen: bool = False):

@@ -436,8 +436,8 @@ def _positions_from_the_model_call(rank, world_size):
     """GPT-BigCode: its attention calls get no position_ids, its position embedding takes the model call's.
     Two packed samples with documents in different places, under gradient checkpointing: a backward after
     each forward gives the gradients of the same steps without checkpointing (whose recompute takes the
-    positions of the forward it recomputes), and a second forward before the first one's backward is
-    refused."""
+    positions of the forward it recomputes), also after a forward left without backward; a backward after
+    another forward has begun (a second training forward, or a forward without gradients) is refused."""
     from tests.architectures import build
 
     base = build("gpt_bigcode")
@@ -447,7 +447,7 @@ def _positions_from_the_model_call(rank, world_size):
         ids = torch.randint(0, 64, (1, 32), generator=torch.Generator().manual_seed(seed))
         samples.append({"input_ids": ids, "labels": ids.clone(), "position_ids": pos})
 
-    def run(checkpointing, together):
+    def run(checkpointing, steps):
         model = copy.deepcopy(base).train()
         if checkpointing:
             model.gradient_checkpointing_enable()
@@ -457,24 +457,38 @@ def _positions_from_the_model_call(rank, world_size):
                                                        mpu.get_sequence_parallel_group(), world_size, "cpu")))
                   for s in samples]
         try:
-            if together:
-                sum(model(**m).loss for m in micros).backward()
-            else:
-                for m in micros:
-                    model(**m).loss.backward()
+            steps(model, micros)
             return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         except ValueError as err:
             return str(err)
         finally:
             unregister_from_transformers()
 
-    plain = run(checkpointing=False, together=False)
-    return {"each": rel_err(run(checkpointing=True, together=False), plain),
-            "together": run(checkpointing=True, together=True)}
+    def each(model, micros):
+        for m in micros:
+            model(**m).loss.backward()
+
+    def abandoned_first(model, micros):  # a forward whose loss never reaches backward (it raised, say)
+        model(**micros[1])
+        each(model, micros)
+
+    def together(model, micros):
+        sum(model(**m).loss for m in micros).backward()
+
+    def no_grad_between(model, micros):
+        loss = model(**micros[0]).loss
+        with torch.no_grad():
+            model(**micros[1])
+        loss.backward()
+
+    plain = run(False, each)
+    return {"each": rel_err(run(True, each), plain), "abandoned": rel_err(run(True, abandoned_first), plain),
+            "together": run(True, together), "no_grad_between": run(True, no_grad_between)}
 
 
 def test_positions_from_the_model_call_serve_checkpointing_one_forward_at_a_time():
     for out in run_distributed(_positions_from_the_model_call, 2):
-        assert out["each"] <= 1e-5
-        assert isinstance(out["together"], str) and out["together"].startswith(
-            "Ulysses SP cannot serve another forward of GPTBigCodeModel before the backward of the last one")
+        assert out["each"] <= 1e-5 and out["abandoned"] <= 1e-5
+        for refused in (out["together"], out["no_grad_between"]):
+            assert isinstance(refused, str) and refused.startswith(
+                "Ulysses SP cannot back-propagate a forward of GPTBigCodeModel after another forward of it has begun")
