@@ -41,7 +41,7 @@ from ..sp.attention import HUB_KERNEL, UlyssesAttention, check_core_attention, c
 from ..sp.forward_check import PositionCheck, Problem
 from .decoder_watch import sp_active, watch_decoder
 from .model_facts import config_value, text_config
-from .servable import check_model_servable, decoder_of, sliding_layers
+from .servable import check_attention_classes, check_model_servable, decoder_of, sliding_layers
 
 __all__ = ["UlyssesSPAttentionHF", "register_with_transformers", "unregister_from_transformers", "sp_attention_of",
            "SCOPES"]
@@ -271,6 +271,7 @@ def register_with_transformers(model_name_or_path, core_attn_implementation, seq
     check_model_servable(config, module)
     if module is not None:
         _check_causal(module)
+        check_attention_classes(module, core_attn_implementation)
     if scope == "model":
         _check_core_supported(module, core_attn_implementation)
     _load_core(core_attn_implementation)

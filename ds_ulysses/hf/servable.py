@@ -6,13 +6,17 @@ talking, so a refused model never leaves a peer waiting in a collective.
 
 from __future__ import annotations
 
+import functools
 import re
+import sys
 
 import torch
 
+from ..sp.attention import core_kind
 from .model_facts import base_model, config_value
 
-__all__ = ["check_model_servable", "decoder_of", "sliding_layers", "SERVABLE_LAYER_TYPES"]
+__all__ = ["check_model_servable", "check_attention_classes", "decoder_of", "sliding_layers",
+           "SERVABLE_LAYER_TYPES"]
 
 # Layer types (Transformers' ``layer_types``) whose token mixing is attention SP can serve, or that
 # do not mix tokens at all (MLP/MoE kinds). Anything else mixes tokens in a way a shard cannot see.
@@ -174,6 +178,55 @@ def _check_modules(model) -> None:
                 f"model not servable by Ulysses SP: '{name}' ({kind}) mixes tokens outside attention, so "
                 "under SP it would see only its rank's shard and train silently wrong; expected token "
                 "mixing by attention only; fix: train this model without sequence parallelism")
+
+
+def check_attention_classes(model, core: str) -> None:
+    """Refuse a decoder built for another attention implementation than `core`, where its modeling module
+    picks the attention class when the model is built (Falcon's ``FALCON_ATTENTION_CLASSES``, GPT-Neo's).
+
+    Registering SP switches the config to the core; such a layer keeps the class it was built with, which
+    computes attention its own way (Falcon's eager class adds a mask the flash path does not build: a
+    TypeError deep in its forward; Transformers' own ``set_attn_implementation`` leaves it the same way).
+    """
+    for name, module in decoder_of(model).named_modules():
+        found = _class_table(type(module))
+        if found is None:
+            continue
+        table_name, table = found
+        if table.get(core) is type(module):
+            continue
+        built = sorted(key for key, cls in table.items() if cls is type(module))
+        wanted = (f"its class for '{core}' is {table[core].__name__}" if core in table else
+                  f"the table has no class for '{core}'")
+        cores = [key for key in sorted(table) if _is_sp_core(key)]
+        fix = (f"build the model with attn_implementation='{core}' (from_pretrained(..., attn_implementation="
+               f"'{core}')) before registering SP" if core in table else
+               f"build it for, and register, a core it has ({', '.join(cores)})" if cores else
+               "train this model without sequence parallelism")
+        raise ValueError(
+            f"model not servable by Ulysses SP with core attention '{core}': '{name}' is a {type(module).__name__}, "
+            f"the class {table_name} gives for {built}, and its model picks that class when it is built, so "
+            f"switching the implementation to '{core}' leaves the layer computing attention its own way ({wanted}); "
+            f"expected a model built for the core SP wraps; fix: {fix}")
+
+
+def _is_sp_core(name) -> bool:
+    try:
+        core_kind(name)
+    except ValueError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _class_table(cls):
+    """(name, table) of the ``*_ATTENTION_CLASSES`` table of `cls`'s modeling module that holds `cls`
+    (implementation name -> class), or None."""
+    module = sys.modules.get(cls.__module__)
+    for name, value in vars(module).items() if module is not None else ():
+        if name.endswith("_ATTENTION_CLASSES") and isinstance(value, dict) and cls in value.values():
+            return name, value
+    return None
 
 
 def sliding_layers(config) -> frozenset:

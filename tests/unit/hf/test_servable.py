@@ -129,3 +129,33 @@ def test_peft_lora_is_not_refused():
     model = peft.get_peft_model(tiny_model(tiny_config("llama", heads=4, kv_heads=2)),
                                 peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
     check_model_servable(model.config, model)
+
+
+@pytest.mark.parametrize("model_type,built,core,phrase", [
+    ("falcon", "eager", "flash_attention_2", r"'h.0.self_attention' is a FalconAttention, the class "
+     r"FALCON_ATTENTION_CLASSES gives for \['eager', 'sdpa'\].*its class for 'flash_attention_2' is "
+     r"FalconFlashAttention2.*fix: build the model with attn_implementation='flash_attention_2'"),
+    ("falcon", "sdpa", "flash_attention_3", r"the table has no class for 'flash_attention_3'.*fix: build it for, "
+     r"and register, a core it has \(flash_attention_2, sdpa\)"),
+    ("gpt_neo", "eager", "sdpa", r"'h.0.attn.attention' is a GPTNeoSelfAttention.*a core it has "
+     r"\(flash_attention_2\)"),
+])
+def test_a_model_whose_attention_class_is_picked_when_built_is_refused_for_another_core(model_type, built, core,
+                                                                                        phrase):
+    """Falcon and GPT-Neo pick their attention class from a table when built; switched to another core, the
+    layer keeps computing attention its own way (Falcon's eager class raised a TypeError under flash)."""
+    from transformers import AutoModelForCausalLM
+
+    extra = dict(attention_types=[[["global"], 2]]) if model_type == "gpt_neo" else {}
+    model = AutoModelForCausalLM.from_config(hf_config(model_type, **extra), attn_implementation=built)
+    with pytest.raises(ValueError, match=f"model not servable by Ulysses SP with core attention '{core}': .*{phrase}"):
+        UlyssesSPAttentionHF.register_with_transformers(model, core, 2, 1, scope="model")
+
+
+def test_a_model_built_for_the_core_passes_the_attention_class_check():
+    from transformers import AutoModelForCausalLM
+
+    from ds_ulysses.hf.servable import check_attention_classes
+
+    check_attention_classes(AutoModelForCausalLM.from_config(hf_config("falcon"), attn_implementation="sdpa"), "sdpa")
+    check_attention_classes(tiny_model(tiny_config("llama")), "flash_attention_2")  # no class table: not judged
