@@ -72,6 +72,7 @@ class _Dispatch:
         self.global_attn: UlyssesSPAttentionHF | None = None
         self.by_module: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> wrapper
         self.sp_configs: dict[int, tuple] = {}  # id(text config) -> (wrapper, model): their masks are not built
+        self.sinks_reach_kernel = False  # checked once: a call's attention sinks reach the core's kernel
 
     def attention_for(self, module):
         uattn = self.by_module.get(module)
@@ -92,7 +93,31 @@ class _Dispatch:
                 "sequence from the global position_ids and cannot apply a mask built for the local shard, so the "
                 "model would train silently wrong; expected attention_mask=None from the decoder under SP; fix: "
                 "train this model without sequence parallelism")
+        if kwargs.get("s_aux") is not None and not self.sinks_reach_kernel:
+            self.check_sinks_reach_kernel()
         return uattn(module, query, key, value, attention_mask, *args, **kwargs)
+
+    def check_sinks_reach_kernel(self) -> None:
+        """Transformers' flash path hands attention sinks (``s_aux``: GPT-OSS) only to a kernel whose signature
+        takes them (``s_aux`` or ``learnable_sink``) and drops them without a word otherwise: the flash-attn
+        package's kernels take none, so the model would train silently without its sinks (unsharded too). SP
+        refuses that, on every rank at the first call with sinks. A core that is not Transformers' flash function
+        (a kernel of the user's own) is not judged."""
+        from transformers import modeling_flash_attention_utils as fa_utils
+        from transformers.integrations import flash_attention
+
+        if self.attention is flash_attention.flash_attention_forward:
+            _, (process, _) = fa_utils.lazy_import_flash_attention(self.core)
+            takes = getattr(process, "keywords", {}).get("supports_mapping")
+            if takes is not None and not (takes.get("s_aux") or takes.get("learnable_sink")):
+                raise ValueError(
+                    f"model not servable by Ulysses SP with core attention '{self.core}': its attention passes "
+                    "attention sinks (s_aux, GPT-OSS's), and this core's flash kernel takes none, so Transformers "
+                    "drops them silently (without SP too) and the model would train without its sinks; expected a "
+                    "kernel that takes s_aux or learnable_sink; fix: use a core whose kernel takes sinks (the Hub "
+                    "kernel 'kernels-community/vllm-flash-attn3', or 'flex_attention'), or train without SP on a "
+                    "core that computes them (eager)")
+        self.sinks_reach_kernel = True
 
     def build_mask(self, *args, **kwargs):
         # under SP the mask is rebuilt from the global position_ids; a local one would be wrong and

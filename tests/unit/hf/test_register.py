@@ -492,3 +492,77 @@ def test_positions_from_the_model_call_serve_checkpointing_one_forward_at_a_time
         for refused in (out["together"], out["no_grad_between"]):
             assert isinstance(refused, str) and refused.startswith(
                 "Ulysses SP cannot back-propagate a forward of GPTBigCodeModel after another forward of it has begun")
+
+
+def _fa2_like(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+              causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False):
+    """The flash-attn package's varlen signature: no sinks."""
+
+
+def _fa3_vllm_like(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False,
+                   window_size=(-1, -1), s_aux=None):
+    """A kernel taking sinks as s_aux (vLLM's FA3)."""
+
+
+def _fa4_like(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False,
+              learnable_sink=None):
+    """A kernel taking sinks as learnable_sink (FA4)."""
+
+
+def _with_kernel(monkeypatch, varlen_fn):
+    """Transformers' flash path loading a kernel with `varlen_fn`'s signature (its own inspection of it)."""
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    process = fa_utils._lazy_define_process_function(varlen_fn)
+    monkeypatch.setattr(fa_utils, "lazy_import_flash_attention", lambda *args, **kwargs: ((None,) * 5, (process, dict)))
+
+
+def test_attention_sinks_are_refused_where_the_flash_kernel_would_drop_them(monkeypatch):
+    """Transformers hands s_aux only to a kernel whose signature takes it (s_aux or learnable_sink) and drops it
+    silently otherwise: the check reads the loaded kernel as Transformers does, refuses the flash-attn package's,
+    and lets sink-taking kernels and a core function of the user's own pass."""
+    from transformers.integrations.flash_attention import flash_attention_forward
+
+    from ds_ulysses.hf.register import _Dispatch
+
+    _with_kernel(monkeypatch, _fa2_like)
+    with pytest.raises(ValueError, match=r"core attention 'flash_attention_2': its attention passes attention sinks "
+                                         r"\(s_aux, GPT-OSS's\), and this core's flash kernel takes none"):
+        _Dispatch("flash_attention_2", flash_attention_forward, None).check_sinks_reach_kernel()
+    own = _Dispatch("flash_attention_2", lambda *args, **kwargs: None, None)
+    own.check_sinks_reach_kernel()  # not Transformers' flash function: its kernel is the user's business
+    assert own.sinks_reach_kernel
+    for kernel in (_fa3_vllm_like, _fa4_like):
+        _with_kernel(monkeypatch, kernel)
+        dispatch = _Dispatch("flash_attention_2", flash_attention_forward, None)
+        dispatch.check_sinks_reach_kernel()
+        assert dispatch.sinks_reach_kernel, kernel.__name__
+
+
+def _sinks_reach_the_flash_kernel(rank, world_size):
+    """GPT-OSS under SP on Transformers' own flash_attention_2 entry, its kernel the flash-attn package's
+    signature: the first forward is refused on every rank before any kernel runs."""
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    from tests.architectures import build
+
+    process = fa_utils._lazy_define_process_function(_fa2_like)
+    fa_utils.lazy_import_flash_attention = lambda *args, **kwargs: ((None,) * 5, (process, dict))
+    model = build("gpt_oss", attn="eager")
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "flash_attention_2", world_size, 1, scope="model")
+    try:
+        sample = make_sample(0, 32)
+        micro = next(iter(UlyssesSPDataLoaderAdapter([sample], mpu.get_sequence_parallel_rank(),
+                                                     mpu.get_sequence_parallel_group(), world_size, "cpu")))
+        model(**micro)
+    except ValueError as err:
+        return str(err)
+    finally:
+        unregister_from_transformers()
+    return "served"
+
+
+def test_gpt_oss_sinks_on_a_flash_kernel_without_them_are_refused_at_the_first_forward():
+    for out in run_distributed(_sinks_reach_the_flash_kernel, 2):
+        assert out.startswith("model not servable by Ulysses SP with core attention 'flash_attention_2': its "
+                              "attention passes attention sinks"), out
