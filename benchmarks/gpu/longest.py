@@ -281,14 +281,17 @@ def side_by_side(impls, model_name, seq_lens, attn, timeout, log, steps=3, devic
                  profile=False) -> dict:
     """Each arm at each length (no search), `repeat` times, the arms' order reversed every other repetition
     so that no arm always runs first or last: {S: {arm: [trial per repetition]}}. A trial is logged with its
-    arm and repetition."""
+    arm and repetition. With `profile`, the last repetition's trials profile their extra step (the noise
+    arm's not: the profiles compare each arm with ``deepspeed``, and each costs the trial a step and the
+    profiler's processing)."""
     by_len = {}
     for s in seq_lens:
         trials = by_len[s] = {arm: [] for arm, _ in arms(impls, noise)}
         for rep in range(repeat):
             order = arms(impls, noise)
             for arm, impl in order if rep % 2 == 0 else order[::-1]:
-                trials[arm].append(log({**launch(impl, model_name, s, attn, timeout, steps, device, profile),
+                profiled = profile and rep == repeat - 1 and arm == impl
+                trials[arm].append(log({**launch(impl, model_name, s, attn, timeout, steps, device, profiled),
                                         "arm": arm, "rep": rep}))
     return by_len
 

@@ -457,15 +457,17 @@ def test_gpu_benchmark_repeats_alternate_the_arms_and_judge_ratios_against_deeps
         monkeypatch, tmp_path, capsys):
     """--repeat N runs every arm N times, DeepSpeed's twice per repetition (the noise arm), the order reversed
     every other repetition; each ratio is paired within its repetition, printed as median [range], and
-    judged against the noise arm's largest deviation, as the CPU benchmark judges."""
+    judged against the noise arm's largest deviation, as the CPU benchmark judges. --profile profiles the
+    last repetition's trials of the compared arms only."""
     from benchmarks.gpu import longest
 
-    asked = []
+    asked, profiled = [], []
     # per launch, in the order the arms run: ours, deepspeed, again | again, deepspeed, ours | ours, deepspeed, again
     took = iter([5.0, 6.0, 6.06, 6.0, 5.94, 5.5, 6.0, 6.0, 6.0])
 
     def fake_launch(impl, model, seq_len, attn, timeout, steps, device, profile=False):
         asked.append(impl)
+        profiled.append(profile)
         seconds = next(took)
         return {"impl": impl, "model": model, "seq_len": seq_len, "ok": True, "seconds": seconds,
                 "first_step_s": seconds, "tokens_per_s": seq_len / seconds,
@@ -473,9 +475,10 @@ def test_gpu_benchmark_repeats_alternate_the_arms_and_judge_ratios_against_deeps
 
     monkeypatch.setattr(longest, "launch", fake_launch)
     out = tmp_path / "gpu.jsonl"
-    assert longest.main(["--at", "512", "--repeat", "3", "--out", str(out)]) == 0
+    assert longest.main(["--at", "512", "--repeat", "3", "--profile", "--out", str(out)]) == 0
     assert asked == ["ours", "deepspeed", "deepspeed", "deepspeed", "deepspeed", "ours", "ours", "deepspeed",
                      "deepspeed"]
+    assert profiled == [False] * 6 + [True, True, False]  # the last repetition's arms, not its noise arm
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["arm"], r["rep"]) for r in records] == [
         ("ours", 0), ("deepspeed", 0), (NOISE_ARM, 0), (NOISE_ARM, 1), ("deepspeed", 1), ("ours", 1),
