@@ -27,8 +27,8 @@ until a trial fails, then bisects to ``--resolution`` tokens; ``--at S ...`` ins
 lengths and prints ours / deepspeed for time and memory. Every arm starts from the same (seeded) weights
 and data, so their per-step losses (recorded) agree. With ``--at``, ``--repeat N`` runs the arms N times
 in alternating order, DeepSpeed's twice per repetition (the noise arm, as in the CPU benchmark), and
-judges each ratio against that noise; ``--profile`` profiles one more step per trial, phase by phase
-(:mod:`benchmarks.gpu.kernels`), and prints the operators where each arm's device time differs most from
+judges each ratio against that noise; ``--profile`` has the last repetition's trials profile one more step,
+phase by phase (:mod:`benchmarks.gpu.kernels`), and prints the operators where each arm's device time differs most from
 DeepSpeed's. Run on the GPU machine:
 
     python -m benchmarks.gpu.longest --model llama-3.2-3b --out benchmarks/results/gpu.jsonl
@@ -316,8 +316,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-noise", dest="noise", action="store_false",
                         help="with --repeat 2 or more: leave out the noise arm (no verdicts)")
     parser.add_argument("--profile", action="store_true",
-                        help="each trial profiles one more step, phase by phase; prints the operators where "
-                             "each arm's device time differs most from DeepSpeed's")
+                        help="the last repetition's trials profile one more step, phase by phase; prints the "
+                             "operators where each arm's device time differs most from DeepSpeed's")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per trial")
     parser.add_argument("--out", default="benchmarks/results/gpu.jsonl", help="every trial, as JSON lines")
     parser.add_argument("--trial", choices=IMPLEMENTATIONS, help=argparse.SUPPRESS)
