@@ -21,8 +21,8 @@ from transformers.utils import ModelOutput
 
 from ..patching import PATCHES
 from ..sp.forward_check import check_positions
-from .checkpointing import checkpointing_on
 from ..sp.shards import SHARDS
+from .checkpointing import checkpointing_on
 
 __all__ = ["watch_decoder", "sp_active", "unserved_loss_scope"]
 

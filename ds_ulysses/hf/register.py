@@ -37,11 +37,12 @@ import torch
 
 from ..distributed.mesh import Mesh, build_mesh
 from ..patching import PATCHES
-from ..sp.attention import HUB_KERNEL, UlyssesAttention, check_core_attention, core_kind
+from ..sp.attention import HUB_KERNEL, UlyssesAttention, check_core_attention
 from ..sp.forward_check import PositionCheck, Problem
 from .decoder_watch import sp_active, watch_decoder
 from .model_facts import config_value, text_config
-from .servable import check_attention_classes, check_model_servable, decoder_of, sliding_layers
+from .servable import check_attention_classes, check_core_supported, check_model_servable, \
+    check_sinks_reach_kernel, decoder_of, sliding_layers
 
 __all__ = ["UlyssesSPAttentionHF", "register_with_transformers", "unregister_from_transformers", "sp_attention_of",
            "SCOPES"]
@@ -98,25 +99,8 @@ class _Dispatch:
         return uattn(module, query, key, value, attention_mask, *args, **kwargs)
 
     def check_sinks_reach_kernel(self) -> None:
-        """Transformers' flash path hands attention sinks (``s_aux``: GPT-OSS) only to a kernel whose signature
-        takes them (``s_aux`` or ``learnable_sink``) and drops them without a word otherwise: the flash-attn
-        package's kernels take none, so the model would train silently without its sinks (unsharded too). SP
-        refuses that, on every rank at the first call with sinks. A core that is not Transformers' flash function
-        (a kernel of the user's own) is not judged."""
-        from transformers import modeling_flash_attention_utils as fa_utils
-        from transformers.integrations import flash_attention
-
-        if self.attention is flash_attention.flash_attention_forward:
-            _, (process, _) = fa_utils.lazy_import_flash_attention(self.core)
-            takes = getattr(process, "keywords", {}).get("supports_mapping")
-            if takes is not None and not (takes.get("s_aux") or takes.get("learnable_sink")):
-                raise ValueError(
-                    f"model not servable by Ulysses SP with core attention '{self.core}': its attention passes "
-                    "attention sinks (s_aux, GPT-OSS's), and this core's flash kernel takes none, so Transformers "
-                    "drops them silently (without SP too) and the model would train without its sinks; expected a "
-                    "kernel that takes s_aux or learnable_sink; fix: use a core whose kernel takes sinks (the Hub "
-                    "kernel 'kernels-community/vllm-flash-attn3', or 'flex_attention'), or train without SP on a "
-                    "core that computes them (eager)")
+        """:func:`~ds_ulysses.hf.servable.check_sinks_reach_kernel`, once per core."""
+        check_sinks_reach_kernel(self.attention, self.core)
         self.sinks_reach_kernel = True
 
     def build_mask(self, *args, **kwargs):
@@ -229,29 +213,6 @@ def _check_matching_core(holder, core: str) -> None:
             f"(or call model.set_attn_implementation('{core}')), or register '{current}'")
 
 
-_SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flash": "_supports_flash_attn", "flex": "_supports_flex_attn"}
-_CORE_NAMES = {"sdpa": "sdpa", "flash": "flash_attention_2", "flex": "flex_attention"}
-
-
-def _check_core_supported(model, core: str) -> None:
-    """``scope="model"`` switches the model to the core itself, past Transformers' own check: a core its class
-    says it does not support would drop what its attention hands the core (GPT-OSS's sinks, under sdpa:
-    silently)."""
-    decoder = decoder_of(model)
-    owner = decoder if hasattr(type(decoder), "_supports_sdpa") else model
-    flag = _SUPPORT_FLAGS[core_kind(core)]
-    if getattr(type(owner), flag, True) is not False:
-        return
-    supported = [name for kind, name in _CORE_NAMES.items() if getattr(type(owner), _SUPPORT_FLAGS[kind], True)]
-    fix = (f"set the ulysses section's attn_implementation (or register) to one of {supported}" if supported else
-           "train this model without sequence parallelism")
-    raise ValueError(
-        f"model not servable by Ulysses SP with core attention '{core}': {type(owner).__name__}.{flag} is False, "
-        f"so Transformers refuses attn_implementation='{core}' for it, and its attention would hand that core "
-        "arguments it ignores (GPT-OSS's attention sinks, for one: the loss silently off); expected a core the "
-        f"model supports; fix: {fix}")
-
-
 def register_with_transformers(model_name_or_path, core_attn_implementation, sequence_parallel_size,
                                micro_batch_size, seq_length=None, seq_length_is_variable=True,
                                disable_in_eval=False, max_length=None, *, mesh: Mesh | None = None,
@@ -298,7 +259,7 @@ def register_with_transformers(model_name_or_path, core_attn_implementation, seq
         _check_causal(module)
         check_attention_classes(module, core_attn_implementation)
     if scope == "model":
-        _check_core_supported(module, core_attn_implementation)
+        check_core_supported(module, core_attn_implementation)
     _load_core(core_attn_implementation)
     if loaded and scope == "global":
         _check_matching_core(model_name_or_path, core_attn_implementation)

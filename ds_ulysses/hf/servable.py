@@ -15,8 +15,8 @@ import torch
 from ..sp.attention import core_kind
 from .model_facts import base_model, config_value
 
-__all__ = ["check_model_servable", "check_attention_classes", "decoder_of", "sliding_layers",
-           "SERVABLE_LAYER_TYPES"]
+__all__ = ["check_model_servable", "check_attention_classes", "check_core_supported", "check_sinks_reach_kernel",
+           "decoder_of", "sliding_layers", "SERVABLE_LAYER_TYPES"]
 
 # Layer types (Transformers' ``layer_types``) whose token mixing is attention SP can serve, or that
 # do not mix tokens at all (MLP/MoE kinds). Anything else mixes tokens in a way a shard cannot see.
@@ -227,6 +227,52 @@ def _class_table(cls):
         if name.endswith("_ATTENTION_CLASSES") and isinstance(value, dict) and cls in value.values():
             return name, value
     return None
+
+
+_SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flash": "_supports_flash_attn", "flex": "_supports_flex_attn"}
+_CORE_NAMES = {"sdpa": "sdpa", "flash": "flash_attention_2", "flex": "flex_attention"}
+
+
+def check_core_supported(model, core: str) -> None:
+    """``scope="model"`` switches the model to the core itself, past Transformers' own check: a core its class
+    says it does not support would drop what its attention hands the core (GPT-OSS's sinks, under sdpa:
+    silently)."""
+    decoder = decoder_of(model)
+    owner = decoder if hasattr(type(decoder), "_supports_sdpa") else model
+    flag = _SUPPORT_FLAGS[core_kind(core)]
+    if getattr(type(owner), flag, True) is not False:
+        return
+    supported = [name for kind, name in _CORE_NAMES.items() if getattr(type(owner), _SUPPORT_FLAGS[kind], True)]
+    fix = (f"set the ulysses section's attn_implementation (or register) to one of {supported}" if supported else
+           "train this model without sequence parallelism")
+    raise ValueError(
+        f"model not servable by Ulysses SP with core attention '{core}': {type(owner).__name__}.{flag} is False, "
+        f"so Transformers refuses attn_implementation='{core}' for it, and its attention would hand that core "
+        "arguments it ignores (GPT-OSS's attention sinks, for one: the loss silently off); expected a core the "
+        f"model supports; fix: {fix}")
+
+
+def check_sinks_reach_kernel(attention, core: str) -> None:
+    """Transformers' flash path hands attention sinks (``s_aux``: GPT-OSS) only to a kernel whose signature
+    takes them (``s_aux`` or ``learnable_sink``) and drops them without a word otherwise: the flash-attn
+    package's kernels take none, so the model would train silently without its sinks (unsharded too). SP
+    refuses that, on every rank at the first call with sinks. A core `attention` that is not Transformers'
+    flash function (a kernel of the user's own) is not judged."""
+    from transformers import modeling_flash_attention_utils as fa_utils
+    from transformers.integrations import flash_attention
+
+    if attention is not flash_attention.flash_attention_forward:
+        return
+    _, (process, _) = fa_utils.lazy_import_flash_attention(core)
+    takes = getattr(process, "keywords", {}).get("supports_mapping")
+    if takes is not None and not (takes.get("s_aux") or takes.get("learnable_sink")):
+        raise ValueError(
+            f"model not servable by Ulysses SP with core attention '{core}': its attention passes attention sinks "
+            "(s_aux, GPT-OSS's), and this core's flash kernel takes none, so Transformers drops them silently "
+            "(without SP too) and the model would train without its sinks; expected a kernel that takes s_aux or "
+            "learnable_sink; fix: use a core whose kernel takes sinks (the Hub kernel "
+            "'kernels-community/vllm-flash-attn3', or 'flex_attention'), or train without SP on a core that "
+            "computes them (eager)")
 
 
 def sliding_layers(config) -> frozenset:
