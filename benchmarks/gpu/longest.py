@@ -82,19 +82,19 @@ def ds_config(device: str = "cuda") -> dict:
 
 
 def _model(name: str, attn: str, device: str = "cuda"):
-    """The same weights in every trial (seeded). On a GPU partitioned while built (no full copy); on the CPU
-    built whole (``zero.Init`` around Transformers' ``from_config`` fails there with torch 2.13) and
-    partitioned by ``initialize``."""
-    import deepspeed
+    """The same weights in every trial (seeded), partitioned while built (no full copy) and initialised as
+    Transformers initialises the model, as a Trainer user or DeepSpeed's ALST tutorial builds it: through
+    Transformers' ZeRO-3 integration (the caller keeps an ``HfDeepSpeedConfig`` alive), which builds under
+    ``zero.Init`` and then initialises each module's gathered weights. A bare ``zero.Init`` around
+    ``from_config`` leaves Transformers' initialisation acting on empty partitions (the untrained loss was
+    1886 on Llama-3.2-1B's shape, not ln V), and fails on the CPU with torch 2.13 (README, "Errors")."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     config = LlamaConfig(**MODELS[name], max_position_embeddings=1 << 24, rope_theta=500000.0, use_cache=False)
-    if device == "cpu":
-        return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config(device)):
-        return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
 
 
 def _sample(seq_len: int, vocab: int) -> dict:
@@ -199,12 +199,15 @@ def trial(impl: str, model_name: str, seq_len: int, attn: str, steps: int, devic
 
     import deepspeed
     import torch
+    from transformers.integrations import HfDeepSpeedConfig
 
     gpu = device == "cuda"
     deepspeed.init_distributed()
     if gpu:
         torch.cuda.set_device(0)
+    zero3 = HfDeepSpeedConfig(ds_config(device))  # Transformers builds the model under ZeRO-3 while it lives
     model = _model(model_name, attn, device)
+    built_partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
     setups = {"ours": _ours, "deepspeed": _deepspeed,
               "ours-no-offload": lambda model, seq_len, device: _ours(model, seq_len, device, offload=False)}
     engine, forward = setups[impl](model, seq_len, device)
@@ -217,7 +220,8 @@ def trial(impl: str, model_name: str, seq_len: int, attn: str, steps: int, devic
     peak = torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
     result = {"impl": impl, "model": model_name, "seq_len": seq_len, "device": device, "ok": True, "loss": losses[0],
               "losses": losses, "steps": phases, "allocators_per_step": allocators, "first_step_s": sum(phases[0]),
-              "seconds": seconds, "tokens_per_s": seq_len / seconds, "peak_gib": peak / (1 << 30)}
+              "seconds": seconds, "tokens_per_s": seq_len / seconds, "peak_gib": peak / (1 << 30),
+              "built_partitioned": built_partitioned}
     if profile:
         result["profile"] = profiled_step(engine, forward, sync, gpu)
     return result
