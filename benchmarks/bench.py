@@ -12,6 +12,10 @@ ratio is taken within a repetition (arm / ``deepspeed`` of the same repetition),
 machine load cancel, and is reported as the median over repetitions with its spread
 (:mod:`benchmarks.report`).
 
+``--loop trainer`` runs the same arms through Transformers' Trainer (:mod:`benchmarks.trainer`):
+DeepSpeed's through Transformers' documented ``parallelism_config``, ours through the section; their
+records are kind ``trainer``, reported apart from the engine loop's.
+
 Other modes: ``--layer-iters`` (the attention layer alone, :mod:`benchmarks.layer`), ``--tiled-iters``
 (TiledMLP and sequence_tiled_compute against DeepSpeed's, :mod:`benchmarks.tiled`) and
 ``--max-seq BUDGET`` (the longest sequence whose step fits a per-rank RSS budget,
@@ -39,6 +43,7 @@ __all__ = ["add_arguments", "run_command", "main", "launch", "OverBudget", "run_
            "impl_name", "arms", "parse_bytes", "launch_time", "launch_peak", "stamp", "NOISE_ARM", "TILED_OPS"]
 
 _IMPLS = ("deepspeed", "ours-dropin", "ours", "deepspeed-alst")
+LOOPS = {"engine": "step", "trainer": "trainer"}  # --loop -> the kind its records carry
 NOISE_ARM = "deepspeed[again]"
 TILED_OPS = ("tiled_mlp", "stc_mlp", "stc_loss", "fused_loss")  # --tiled-iters' operations (benchmarks.tiled)
 
@@ -212,7 +217,7 @@ def stamp() -> dict:
 def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, out: Path, packed_docs: int = 0,
               model: dict | None = None, variants: dict | None = None, timeout: float = 1800.0,
               noise: bool = True, profile_reps: int = 1, cycles: int = 1, warm_up: bool = True,
-              log=print) -> list[dict]:
+              log=print, loop: str = "engine") -> list[dict]:
     """Every (S, sp) with every arm, ``reps`` rotations; each launch appended to ``out``.
 
     With ``warm_up``, one launch of the first arm and configuration runs first and is not recorded:
@@ -220,7 +225,8 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
 
     ``steps`` None means ``cycles`` adapter refill cycles of sp steps; ``variants`` maps a name to a ``"ulysses"``
     section override for an extra ``ours`` arm; the first ``profile_reps`` repetitions also profile
-    one step per launch (:mod:`benchmarks.profile`).
+    one step per launch (:mod:`benchmarks.profile`). ``loop`` "trainer" trains each arm through
+    Transformers' Trainer (:mod:`benchmarks.trainer`; nothing is profiled there).
     """
     from .report import format_group
 
@@ -230,8 +236,9 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def spec_of(impl, seq_len, sp, section, profile):
-        return {"impl": impl, "seq_len": seq_len, "sp": sp, "steps": steps or cycles * sp, "warmup": warmup,
-                "packed_docs": packed_docs, "model": model or {}, "section": section, "profile": profile}
+        return {"impl": impl, "loop": loop, "seq_len": seq_len, "sp": sp, "steps": steps or cycles * sp,
+                "warmup": warmup, "packed_docs": packed_docs, "model": model or {}, "section": section,
+                "profile": profile and loop == "engine"}
 
     if warm_up:
         name, impl, _, section = entries[0]
@@ -251,7 +258,7 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
                 for order, (name, impl, variant, section) in enumerate(entries[shift:] + entries[:shift]):
                     spec = spec_of(impl, seq_len, sp, section, rep < profile_reps)
                     begin = time.monotonic()
-                    record = {"kind": "step", **spec, "variant": variant, "name": name, "rep": rep, "order": order,
+                    record = {"kind": LOOPS[loop], **spec, "variant": variant, "name": name, "rep": rep, "order": order,
                               "run": run_id, **stamp(), "load_before": _loadavg()}
                     try:
                         record["ranks"] = launch(spec, sp, _workdir(), timeout)
@@ -270,7 +277,7 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
                         f"step {launch_time(record):.2f}s, peak {launch_peak(record) / GIB:.2f} GiB, "
                         f"launch {record['wall']:.0f}s, load {record['load_before']:.1f}->{record['load_after']:.1f}")
             if group:
-                log(format_group(group))
+                log(format_group(group, LOOPS[loop]))
     return records
 
 
@@ -300,10 +307,11 @@ def model_key(model: dict | None) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted((model or {}).items()))
 
 
-def summarize(records: list[dict]) -> dict:
-    """(name, S, sp, packed, model) -> pooled medians and per-layer communication (every launch)."""
+def summarize(records: list[dict], kind: str = "step") -> dict:
+    """(name, S, sp, packed, model) -> pooled medians and per-layer communication (every launch of `kind`:
+    ``step`` for the engine loop, ``trainer`` for the Trainer's)."""
     groups: dict = {}
-    for rec in (r for r in records if "error" not in r and r.get("kind", "step") == "step"):
+    for rec in (r for r in records if "error" not in r and r.get("kind", "step") == kind):
         key = (rec["name"], rec["seq_len"], rec["sp"], rec.get("packed_docs", 0), model_key(rec.get("model")))
         groups.setdefault(key, []).append(rec)
     out = {}
@@ -338,6 +346,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the same user code; ours: ds_ulysses.initialize with the section's defaults; "
                              "deepspeed-alst: DeepSpeed with TiledMLP, TiledFusedLogitsLoss and checkpointing "
                              "(ArcticTraining's setup)")
+    parser.add_argument("--loop", choices=sorted(LOOPS), default="engine",
+                        help="engine: the user loop of engine(**batch), engine.backward, engine.step (DeepSpeed's "
+                             "tutorial); trainer: the same arms through Transformers' Trainer (deepspeed: its "
+                             "parallelism_config; ours: ds_ulysses.install() and the section; ours-dropin: "
+                             "install() and the parallelism_config)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                         help="an extra 'ours' arm with this \"ulysses\" section override, e.g. "
                              "'mlp={\"tiled_mlp\": {\"enabled\": true}}' (repeatable)")
@@ -353,8 +366,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                               "launch; the launch's time is the fastest cycle's")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per launch (overrides --cycles)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per launch")
-    parser.add_argument("--profile-reps", type=int, default=1, metavar="N",
-                        help="profile one extra step per launch in the first N repetitions (0: none)")
+    parser.add_argument("--profile-reps", type=int, default=None, metavar="N",
+                        help="profile one extra step per launch in the first N repetitions (0: none; default 1, "
+                             "and 0 with --loop trainer, which profiles nothing)")
     parser.add_argument("--model", action="append", default=[], metavar="KEY=INT",
                         help="model size override: vocab, hidden, intermediate, layers, heads, kv_heads")
     parser.add_argument("--out", default="benchmarks/results/runs.jsonl", help="JSON lines file to append to")
@@ -406,6 +420,23 @@ def _parse_pairs(pairs, what: str, value=json.loads) -> dict:
     return out
 
 
+def _check_loop(args: argparse.Namespace) -> None:
+    """``--loop trainer`` takes the training-step suite's arms that a Trainer user can switch on."""
+    if args.loop == "engine":
+        return
+    from .trainer import IMPLEMENTATIONS
+
+    other = [impl for impl in args.impl if impl not in IMPLEMENTATIONS]
+    if other:
+        raise ValueError(f"--loop trainer runs the arms {list(IMPLEMENTATIONS)}, got {other}; leave those out "
+                         "(DeepSpeed's tiled recipe has no Trainer switch)")
+    if args.profile_reps:
+        raise ValueError(f"--loop trainer profiles nothing, got --profile-reps {args.profile_reps}; leave it out")
+    if args.max_seq or args.tiled_iters or args.layer_iters:
+        raise ValueError("--loop trainer times training steps; it does not combine with --max-seq, --tiled-iters "
+                         "or --layer-iters")
+
+
 def run_command(args: argparse.Namespace) -> int:
     """The ``ds-ulysses bench`` runner: run, print this run's tables, optionally write the report."""
     from ds_ulysses.config import UlyssesConfig
@@ -424,6 +455,7 @@ def run_command(args: argparse.Namespace) -> int:
         if args.cycles < 1:
             raise ValueError(f"--cycles must be 1 or more (measured refill cycles per launch), got {args.cycles}")
         granularity = parse_size(args.max_seq_step)
+        _check_loop(args)
     except ValueError as exc:
         print(f"ds-ulysses bench: {exc}", file=sys.stderr)
         return 2
@@ -446,10 +478,11 @@ def run_command(args: argparse.Namespace) -> int:
 
         print(format_layer(run_layer_suite(seq_lens, args.sp, args.layer_iters, out, args.timeout, reps=args.reps)))
     else:
+        profile_reps = args.profile_reps if args.profile_reps is not None else int(args.loop == "engine")
         records = run_suite(seq_lens, args.sp, args.impl, args.reps, args.steps, args.warmup, out,
-                            args.packed_docs, model, variants, args.timeout, args.noise, args.profile_reps,
-                            args.cycles, args.warm_up)
-        print(format_run(records))
+                            args.packed_docs, model, variants, args.timeout, args.noise, profile_reps,
+                            args.cycles, args.warm_up, loop=args.loop)
+        print(format_run(records, LOOPS[args.loop]))
     if args.report:
         lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
         for path in write_report(lines, Path(args.report)):

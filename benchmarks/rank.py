@@ -371,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
         from .tiled import run as run_tiled
 
         result = run_tiled(spec["op"], spec["seq_len"], spec["iters"], spec.get("model"))
+    elif spec.get("loop") == "trainer":
+        from .trainer import run as run_trainer
+
+        result = run_trainer(spec)
     else:
         result = run(spec)
     with open(f"{argv[0]}.rank{os.environ['RANK']}.json", "w") as f:

@@ -58,10 +58,11 @@ def _config(rec: dict) -> tuple:
     return rec["seq_len"], rec["sp"], rec.get("packed_docs", 0), model_key(rec.get("model"))
 
 
-def paired_launches(records: list[dict]) -> dict:
+def paired_launches(records: list[dict], kind: str = "step") -> dict:
     """(name, S, sp, packed, model) -> [(launch, deepspeed launch)], one per repetition: each launch with
-    the ``deepspeed`` launch of the same run and repetition."""
-    runs = [r for r in records if "error" not in r and r.get("kind", "step") == "step" and "rep" in r]
+    the ``deepspeed`` launch of the same run and repetition, among the launches of `kind` (``step``: the
+    engine loop; ``trainer``: the Trainer's)."""
+    runs = [r for r in records if "error" not in r and r.get("kind", "step") == kind and "rep" in r]
     base = {(r.get("run"), r["rep"], *_config(r)): r for r in runs if r["name"] == "deepspeed"}
     out: dict = {}
     for rec in runs:
@@ -71,10 +72,10 @@ def paired_launches(records: list[dict]) -> dict:
     return out
 
 
-def paired(records: list[dict]) -> dict:
+def paired(records: list[dict], kind: str = "step") -> dict:
     """(name, S, sp, packed, model) -> [(time ratio, memory ratio)], one per repetition."""
     return {key: [(launch_time(rec) / launch_time(ds), launch_peak(rec) / launch_peak(ds)) for rec, ds in launches]
-            for key, launches in paired_launches(records).items()}
+            for key, launches in paired_launches(records, kind).items()}
 
 
 def noise_of(pairs: dict, config: tuple) -> tuple[float, float, int] | None:
@@ -113,13 +114,13 @@ def spread(values: list[float], digits: int = 2) -> str:
     return f"{med:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
 
-def ratio_rows(records: list[dict]) -> list[dict]:
+def ratio_rows(records: list[dict], kind: str = "step") -> list[dict]:
     """One row per (arm, configuration) with a DeepSpeed pair: ratios, spread, noise, verdicts. Its seconds
     and GiB are medians over the same paired launches as its ratios, so a configuration measured in several
     runs (DeepSpeed in more repetitions than the arm) shows both sides of the same repetitions."""
-    pairs = paired(records)
-    launches = paired_launches(records)
-    summary = summarize(records)
+    pairs = paired(records, kind)
+    launches = paired_launches(records, kind)
+    summary = summarize(records, kind)
     rows = []
     for (name, s, sp, packed, model), values in sorted(pairs.items(), key=lambda kv: (kv[0][4], kv[0][3], kv[0][1],
                                                                                      kv[0][2], kv[0][0])):
@@ -166,9 +167,9 @@ def _target_text(target, text) -> str:
     return "-" if target is None else f"<= {target:g}: {text}"
 
 
-def format_ratios(records: list[dict]) -> str:
+def format_ratios(records: list[dict], kind: str = "step") -> str:
     rows = []
-    for r in ratio_rows(records):
+    for r in ratio_rows(records, kind):
         rows.append([r["name"], _k(r["S"]), r["sp"], r["packed"] or "-", r["model"] or "default",
                      f"{r['ds_time']:.2f}", f"{r['time']:.2f}", f"**{spread(r['times'])}**",
                      _noise_text(r["noise_time"]),
@@ -241,8 +242,8 @@ def format_profile(records: list[dict]) -> str:
                    "measured s/step"], rows)
 
 
-def format_noise(records: list[dict]) -> str:
-    pairs = paired(records)
+def format_noise(records: list[dict], kind: str = "step") -> str:
+    pairs = paired(records, kind)
     rows = []
     for (name, s, sp, packed, model), values in sorted(pairs.items(), key=lambda kv: (kv[0][4], kv[0][3], kv[0][2],
                                                                                      kv[0][1])):
@@ -255,18 +256,20 @@ def format_noise(records: list[dict]) -> str:
                    "memory ratios", "memory noise"], rows)
 
 
-def format_group(records: list[dict]) -> str:
+def format_group(records: list[dict], kind: str = "step") -> str:
     """What ``bench`` prints after each (S, sp): the ratios and the profile of those launches."""
+    if kind != "step":
+        return "\n" + format_ratios(records, kind) + "\n"
     return "\n" + format_ratios(records) + "\n\n" + format_profile(records) + "\n"
 
 
-def format_run(records: list[dict]) -> str:
-    """What ``bench`` prints at the end: noise, ratios, profile, every measurement."""
-    summary = summarize(records)
-    return "\n\n".join(["## Noise (DeepSpeed against itself)", format_noise(records),
-                        "## Ratios", format_ratios(records),
-                        "## Seconds per phase (one profiled step)", format_profile(records),
-                        "## Every measurement", format_summary(summary)])
+def format_run(records: list[dict], kind: str = "step") -> str:
+    """What ``bench`` prints at the end: noise, ratios, profile (engine loop only), every measurement."""
+    sections = ["## Noise (DeepSpeed against itself)", format_noise(records, kind), "## Ratios",
+                format_ratios(records, kind)]
+    if kind == "step":
+        sections += ["## Seconds per phase (one profiled step)", format_profile(records)]
+    return "\n\n".join(sections + ["## Every measurement", format_summary(summarize(records, kind))])
 
 
 def format_summary(summary: dict) -> str:
@@ -427,6 +430,10 @@ def write_report(records: list[dict], out_dir: Path) -> list[Path]:
         sections += ["## Longest sequence in a per-rank RSS budget", format_maxseq(maxseq)]
     if tiled:
         sections += ["## TiledMLP and sequence_tiled_compute vs DeepSpeed's, equal shards", format_tiled(tiled)]
+    if any(r.get("kind") == "trainer" for r in ok):
+        sections += ["## Through Transformers' Trainer (`--loop trainer`): noise, ratios arm / DeepSpeed's "
+                     "parallelism_config path", format_noise(ok, "trainer"), format_ratios(ok, "trainer"),
+                     format_summary(summarize(ok, "trainer"))]
     if any(r.get("kind") == "layer" for r in ok):
         sections += ["## The attention layer alone (DeepSpeed's wrapper, its noise arm and ours interleaved per "
                      "iteration)", format_layer(ok)]

@@ -55,6 +55,34 @@ def test_tiny_side_by_side_run_writes_the_tables(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_the_trainer_loop_runs_each_arm_through_transformers_trainer(tmp_path, capsys):
+    """`--loop trainer`: DeepSpeed's arm through Transformers' parallelism_config without ds_ulysses loaded, ours
+    through install() and the section, ours-dropin through install() and the same parallelism_config; the same
+    model and samples give the same loss at every step, each arm's attention layers run (and are counted), and
+    the Trainer records are reported apart from the engine loop's."""
+    out, report_dir = tmp_path / "runs.jsonl", tmp_path / "report"
+    assert cli.main(["bench", "--loop", "trainer", "--seq-len", "64", "--sp", "2", "--reps", "1", "--steps", "2",
+                     "--warmup", "0", "--no-warm-up", "--no-noise", "--impl", "deepspeed", "ours-dropin", "ours",
+                     *TINY, "--out", str(out), "--report", str(report_dir), "--timeout", "240"]) == 0
+    records = {r["name"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(records) == ["deepspeed", "ours", "ours-dropin"]
+    assert all(r["kind"] == "trainer" and r["loop"] == "trainer" for r in records.values())
+    for name, rec in records.items():
+        ranks = rec["ranks"]
+        assert all(r["ds_ulysses_loaded"] == (name != "deepspeed") for r in ranks), name
+        assert all(len(r["times"]) == 2 and len(r["phases"][0]) == 4 and r["attn_forward_calls"] == 4 for r in ranks)
+        assert ranks[0]["losses"] == pytest.approx(records["deepspeed"]["ranks"][0]["losses"], rel=1e-5), name
+    # per layer forward, DeepSpeed: 4 all-to-alls (q, k, v, out); ours: 2 (2 steps x 2 layers here)
+    assert records["deepspeed"]["ranks"][0]["attn_forward"]["calls"]["all_to_all_single"] == 16
+    assert records["ours"]["ranks"][0]["attn_forward"]["calls"]["all_to_all_single"] == 8
+    printed = capsys.readouterr().out
+    assert "| ours-dropin | 64 | 2 |" in printed and "| ours | 64 | 2 |" in printed
+    text = (report_dir / "results.md").read_text()
+    assert "Through Transformers' Trainer" in text
+    assert text.count("| ours-dropin | 64 | 2 |") == 2  # its ratio row and its measurement, in the Trainer section only
+
+
+@pytest.mark.slow
 def test_the_attention_layer_alone_runs_every_arm_on_the_same_inputs(tmp_path, capsys):
     """`--layer-iters`: DeepSpeed's wrapper, its noise arm and ours, one launch per repetition; the outputs
     (DeepSpeed's `[bs, sl, hc*hs]`, ours `[bs, sl, hc, hs]`) and q's gradient agree across the arms."""
@@ -110,6 +138,12 @@ def test_sizes_and_bad_arguments(capsys):
     assert "--cycles must be 1 or more" in capsys.readouterr().err
     assert cli.main(["bench", "--max-seq", "2G", "--max-seq-steps", "0"]) == 2
     assert "--max-seq-steps must be 1 or more" in capsys.readouterr().err
+    assert cli.main(["bench", "--loop", "trainer", "--impl", "deepspeed", "deepspeed-alst"]) == 2
+    assert "--loop trainer runs the arms" in capsys.readouterr().err
+    assert cli.main(["bench", "--loop", "trainer", "--profile-reps", "1"]) == 2
+    assert "--loop trainer profiles nothing" in capsys.readouterr().err
+    assert cli.main(["bench", "--loop", "trainer", "--max-seq", "2G"]) == 2
+    assert "does not combine with --max-seq" in capsys.readouterr().err
 
 
 def test_a_launch_counts_its_fastest_refill_cycle_of_the_slowest_ranks_steps():

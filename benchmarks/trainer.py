@@ -1,0 +1,206 @@
+"""One rank of one benchmark launch on Transformers' Trainer (``ds-ulysses bench --loop trainer``).
+
+The same arms as :mod:`benchmarks.rank`, reached the way a Trainer user reaches them, with the same
+model, samples and ZeRO-3 + CPU offload config (its batch fields left to the Trainer, ``"auto"``):
+
+- ``deepspeed``: Transformers' documented SP path, ``TrainingArguments(parallelism_config=
+  ParallelismConfig(sp_backend="deepspeed", sp_size=sp))``: Accelerate registers DeepSpeed's
+  ``UlyssesSPAttentionHF``, wraps the loader in its ``UlyssesSPDataLoaderAdapter``, and the Trainer
+  computes the loss with its SP loss. ds_ulysses is not imported.
+- ``ours``: ``ds_ulysses.install()`` and the ``"ulysses"`` section (with the arm's overrides, our defaults
+  otherwise) in the same DeepSpeed config, no ``parallelism_config``.
+- ``ours-dropin``: ``ds_ulysses.install()`` and DeepSpeed's user's ``parallelism_config`` unchanged: our
+  attention, adapter and SP loss behind Transformers' path.
+
+A step is what the Trainer's loop does between two ``on_step_end`` callbacks (each after a barrier):
+fetching the batch (the adapter), the step's token count, forward, backward, the optimizer step and the
+Trainer's bookkeeping. ``phases`` split it as :mod:`benchmarks.rank` does: the engine's ``forward``,
+``backward`` and ``step`` as timed around DeepSpeed's own methods, and the rest (the adapter and the
+Trainer) first. Memory is the RSS high-water mark, reset when training begins (the engine is built by
+then), as :mod:`benchmarks.rank` resets it after its setup.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from .rank import MODEL_DEFAULTS, _hwm_bytes, _reset_hwm, build_model, make_dataset, tap_phase
+from .tap import CollectiveTap
+
+__all__ = ["IMPLEMENTATIONS", "trainer_ds_config", "run"]
+
+IMPLEMENTATIONS = ("deepspeed", "ours-dropin", "ours")
+LR = 1e-4
+
+
+def trainer_ds_config(sp: int, section: dict | None) -> dict:
+    """:func:`benchmarks.rank.ds_config` as a Trainer user writes it: batch, accumulation, clipping and the
+    optimizer's hyperparameters ``"auto"`` (the Trainer fills them in); with ``section``, the ``"ulysses"``
+    section at ``sp``."""
+    config = {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                  "weight_decay": "auto"}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+        "steps_per_print": 1 << 30,
+    }
+    if section is not None:
+        config["ulysses"] = {"sequence_parallel_size": sp, **section}
+    return config
+
+
+class _EngineClock:
+    """Seconds spent in DeepSpeed's engine ``forward``, ``backward`` and ``step`` since the last
+    :meth:`take`, timed around the class's methods (both arms train through a ``DeepSpeedEngine``)."""
+
+    PHASES = ("forward", "backward", "step")
+
+    def __init__(self, tap):
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self._originals = {name: getattr(DeepSpeedEngine, name) for name in self.PHASES}
+        for name, original in self._originals.items():
+            setattr(DeepSpeedEngine, name, self._timed(name, original, tap))
+
+    def _timed(self, name, original, tap):
+        def timed(engine, *args, **kwargs):
+            tap.phase = name
+            begin = time.perf_counter()
+            try:
+                if name == "backward":
+                    with tap.scope("backward"):
+                        return original(engine, *args, **kwargs)
+                return original(engine, *args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - begin
+                tap.phase = "load"
+
+        return timed
+
+    def take(self) -> list[float]:
+        out = [self.seconds[name] for name in self.PHASES]
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        return out
+
+    def uninstall(self) -> None:
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        for name, original in self._originals.items():
+            setattr(DeepSpeedEngine, name, original)
+
+
+def _wrap_attention(impl: str, tap) -> None:
+    if impl == "deepspeed":
+        from deepspeed.runtime.sequence_parallel import ulysses_sp
+
+        tap.wrap_method(ulysses_sp.UlyssesSPAttentionHF, "forward", lambda _: f"attn_{tap_phase(tap)}")
+        tap.wrap_method(ulysses_sp.UlyssesSPDataLoaderAdapter, "refill", lambda _: "refill")
+    else:
+        from ds_ulysses.sp import attention, data as data_mod
+
+        tap.wrap_method(attention.UlyssesAttention, "forward", lambda _: f"attn_{tap_phase(tap)}")
+        tap.wrap_method(data_mod.UlyssesSPDataLoaderAdapter, "refill", lambda _: "refill")
+
+
+def _report_gloo_world() -> None:
+    """Accelerate on a CPU-only machine counts one process under a DeepSpeed launch (``examples/cpu_gloo.py``
+    says why); on a GPU machine this does nothing."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "cpu_gloo.py"
+    spec = importlib.util.spec_from_file_location("cpu_gloo", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.report_gloo_world()
+
+
+def run(spec: dict) -> dict:
+    """Train ``warmup + steps`` steps of the Trainer with one arm; return this rank's measurements in
+    :func:`benchmarks.rank.run`'s shape."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    torch.set_num_threads(spec.get("threads", 1))
+    impl, sp = spec["impl"], spec["sp"]
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"the Trainer loop runs {IMPLEMENTATIONS}, got {impl!r}; pick one of them")
+    _report_gloo_world()
+    if impl != "deepspeed":
+        import ds_ulysses
+
+        ds_ulysses.install()
+    tap = CollectiveTap().install()
+    tap.phase = "setup"
+    model_spec = {**MODEL_DEFAULTS, **spec.get("model", {})}
+    model = build_model(model_spec).train()  # before TrainingArguments: built whole in every arm
+    total = spec["warmup"] + spec["steps"]
+    section = {**spec.get("section", {})} if impl == "ours" else None
+    pc = None if impl == "ours" else ParallelismConfig(
+        sp_backend="deepspeed", sp_size=sp, sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
+    out_dir = tempfile.mkdtemp(prefix="ds_ulysses_trainer_bench-")
+    args = TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=1, gradient_accumulation_steps=1, max_steps=total,
+        learning_rate=LR, lr_scheduler_type="constant", logging_steps=1 << 30, report_to=[], save_strategy="no",
+        deepspeed=trainer_ds_config(sp, section), parallelism_config=pc, seed=0, dataloader_num_workers=0,
+        disable_tqdm=True, train_sampling_strategy="sequential")
+    clock = _EngineClock(tap)
+    _wrap_attention(impl, tap)
+    refills = math.ceil(total / sp) + 1
+    data = make_dataset(int(os.environ["WORLD_SIZE"]) * refills, spec["seq_len"], model_spec["vocab"],
+                        spec.get("packed_docs", 0))
+    marks, phases, losses, peaks = [], [], [], {}
+
+    class Measure(TrainerCallback):
+        def on_train_begin(self, *_, **__):
+            peaks["init"] = _hwm_bytes()
+            peaks["reset"] = _reset_hwm()
+            clock.take()
+            dist.barrier()
+            marks.append(time.perf_counter())
+            tap.phase = "load"
+
+        def on_step_end(self, *_, **__):
+            phases.append(clock.take())
+            peaks.setdefault("steps", []).append(_hwm_bytes())
+            dist.barrier()
+            marks.append(time.perf_counter())
+            if len(marks) == spec["warmup"] + 1:
+                peaks["refill"] = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
+                tap.reset()
+
+    class Recording(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            losses.append(float((loss[0] if return_outputs else loss).detach()))
+            return loss
+
+    trainer = Recording(model=model, args=args, train_dataset=data, callbacks=[Measure()])
+    trainer.train()
+    clock.uninstall()
+    times = [b - a for a, b in zip(marks, marks[1:])]
+    measured = slice(spec["warmup"], None)
+    split = [[t - sum(p), *p] for t, p in zip(times, phases)]
+    refill = peaks.get("refill", (tap.tallies["refill"].as_dict(), tap.counts["refill"]))
+    steps_peak = _hwm_bytes()
+    result = {
+        "rank": dist.get_rank(), "world": dist.get_world_size(), "loop": "trainer", "times": times[measured],
+        "phases": split[measured], "losses": losses, "step_peaks": peaks.get("steps", []), "init_peak": peaks["init"],
+        "steps_peak": steps_peak if peaks["reset"] else None, "peak": max(peaks["init"], steps_peak),
+        "attn_forward": tap.tallies["attn_forward"].as_dict(), "attn_forward_calls": tap.counts["attn_forward"],
+        "attn_backward": tap.tallies["attn_backward"].as_dict(), "backward": tap.tallies["backward"].as_dict(),
+        "refill": refill[0], "refills": refill[1], "ds_ulysses_loaded": "ds_ulysses" in sys.modules,
+    }
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
