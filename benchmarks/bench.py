@@ -196,14 +196,17 @@ def machine() -> str:
     return f"{model}, {len(os.sched_getaffinity(0))} CPUs, {kib * 1024 / GIB:.1f} GiB"
 
 
-def commit() -> str:
-    """The checkout's commit (short hash, ``+changes`` when its tracked files differ from it), or ``unknown``."""
-    root = Path(__file__).resolve().parent.parent
+def commit(root: Path | None = None) -> str:
+    """The checkout's commit (short hash, ``+changes`` when its tracked files differ from it), or ``unknown``.
+    The results under ``benchmarks/results`` are not the code measured: a suite appending to the tracked
+    ``runs.jsonl`` left every record after its first marked ``+changes``."""
+    root = root or Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/results"], cwd=root, capture_output=True, text=True,
+                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+changes" if dirty else "")
@@ -350,7 +353,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine: the user loop of engine(**batch), engine.backward, engine.step (DeepSpeed's "
                              "tutorial); trainer: the same arms through Transformers' Trainer (deepspeed: its "
                              "parallelism_config; ours: ds_ulysses.install() and the section; ours-dropin: "
-                             "install() and the parallelism_config)")
+                             "install() and the parallelism_config, which then takes our section defaults)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                         help="an extra 'ours' arm with this \"ulysses\" section override, e.g. "
                              "'mlp={\"tiled_mlp\": {\"enabled\": true}}' (repeatable)")

@@ -9,8 +9,11 @@ model, samples and ZeRO-3 + CPU offload config (its batch fields left to the Tra
   computes the loss with its SP loss. ds_ulysses is not imported.
 - ``ours``: ``ds_ulysses.install()`` and the ``"ulysses"`` section (with the arm's overrides, our defaults
   otherwise) in the same DeepSpeed config, no ``parallelism_config``.
-- ``ours-dropin``: ``ds_ulysses.install()`` and DeepSpeed's user's ``parallelism_config`` unchanged: our
-  attention, adapter and SP loss behind Transformers' path.
+- ``ours-dropin``: ``ds_ulysses.install()`` and DeepSpeed's user's ``parallelism_config`` unchanged: what a
+  Trainer user who only adds ``install()`` gets. That ``parallelism_config`` becomes a section with our
+  defaults (README, "HF Trainer"), so this is the product path too, reached through DeepSpeed's switch.
+  The mechanism alone (our attention, adapter and SP loss, DeepSpeed's untiled loss) is ``ours`` with the
+  variant ``{"tiled_loss": {"enabled": false}, "trim_host_heap": false}``.
 
 A step is what the Trainer's loop does between two ``on_step_end`` callbacks (each after a barrier):
 fetching the batch (the adapter), the step's token count, forward, backward, the optimizer step and the
