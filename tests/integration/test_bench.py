@@ -412,6 +412,24 @@ def test_records_say_on_what_machine_and_at_what_commit_they_were_measured():
                     "| 2026-11-26 13:00 to 2026-11-26 13:00 |"]
 
 
+def test_a_record_is_marked_changed_by_code_not_by_the_results_it_is_appended_to(tmp_path):
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "runs.jsonl").write_text("{}\n")
+    (tmp_path / "benchmarks" / "rank.py").write_text("STEPS = 1\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "start")
+    head = bench.commit(tmp_path)
+    assert len(head) >= 7 and "+" not in head
+    (tmp_path / "benchmarks" / "results" / "runs.jsonl").write_text("{}\n{}\n")  # a suite appends its records
+    assert bench.commit(tmp_path) == head
+    (tmp_path / "benchmarks" / "rank.py").write_text("STEPS = 2\n")  # the measured code changes
+    assert bench.commit(tmp_path) == head + "+changes"
+
+
 def test_gpu_benchmark_times_each_step_of_real_training():
     """benchmarks.gpu.longest's step loop trains: three steps of its loop leave the same weights as three
     plain SGD steps, and each step comes back as [forward, backward, optimizer] seconds, with how much the
