@@ -114,19 +114,6 @@ def _wrap_attention(impl: str, tap) -> None:
         tap.wrap_method(data_mod.UlyssesSPDataLoaderAdapter, "refill", lambda _: "refill")
 
 
-def _report_gloo_world() -> None:
-    """Accelerate on a CPU-only machine counts one process under a DeepSpeed launch (``examples/cpu_gloo.py``
-    says why); on a GPU machine this does nothing."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "cpu_gloo.py"
-    spec = importlib.util.spec_from_file_location("cpu_gloo", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.report_gloo_world()
-
-
 def run(spec: dict) -> dict:
     """Train ``warmup + steps`` steps of the Trainer with one arm; return this rank's measurements in
     :func:`benchmarks.rank.run`'s shape."""
@@ -134,11 +121,13 @@ def run(spec: dict) -> dict:
     from accelerate.utils import DeepSpeedSequenceParallelConfig
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from examples.cpu_gloo import report_gloo_world
+
     torch.set_num_threads(spec.get("threads", 1))
     impl, sp = spec["impl"], spec["sp"]
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"the Trainer loop runs {IMPLEMENTATIONS}, got {impl!r}; pick one of them")
-    _report_gloo_world()
+    report_gloo_world()  # Accelerate on a CPU-only machine counts one process without it (examples/cpu_gloo.py)
     if impl != "deepspeed":
         import ds_ulysses
 
@@ -148,12 +137,12 @@ def run(spec: dict) -> dict:
     model_spec = {**MODEL_DEFAULTS, **spec.get("model", {})}
     model = build_model(model_spec).train()  # before TrainingArguments: built whole in every arm
     total = spec["warmup"] + spec["steps"]
-    section = {**spec.get("section", {})} if impl == "ours" else None
+    section = spec.get("section", {}) if impl == "ours" else None
     pc = None if impl == "ours" else ParallelismConfig(
         sp_backend="deepspeed", sp_size=sp, sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
-    out_dir = tempfile.mkdtemp(prefix="ds_ulysses_trainer_bench-")
+    out_dir = tempfile.TemporaryDirectory(prefix="ds_ulysses_trainer_bench-")  # the Trainer's, left empty
     args = TrainingArguments(
-        output_dir=out_dir, per_device_train_batch_size=1, gradient_accumulation_steps=1, max_steps=total,
+        output_dir=out_dir.name, per_device_train_batch_size=1, gradient_accumulation_steps=1, max_steps=total,
         learning_rate=LR, lr_scheduler_type="constant", logging_steps=1 << 30, report_to=[], save_strategy="no",
         deepspeed=trainer_ds_config(sp, section), parallelism_config=pc, seed=0, dataloader_num_workers=0,
         disable_tqdm=True, train_sampling_strategy="sequential")
@@ -191,6 +180,7 @@ def run(spec: dict) -> dict:
     trainer = Recording(model=model, args=args, train_dataset=data, callbacks=[Measure()])
     trainer.train()
     clock.uninstall()
+    out_dir.cleanup()
     times = [b - a for a, b in zip(marks, marks[1:])]
     measured = slice(spec["warmup"], None)
     split = [[t - sum(p), *p] for t, p in zip(times, phases)]
