@@ -13,6 +13,9 @@ verdict is claimed only beyond the noise:
 
 Targets (issue 15): mechanism (``ours-dropin``) time and memory <= 1.0 at every length; product
 (``ours``, defaults) time <= 0.95 and memory <= 0.6 at S >= 16K; packed product time <= 0.7.
+
+The Trainer loop's launches (``--loop trainer``, records of kind ``trainer``) are paired, judged and
+tabled the same way, apart from the engine loop's (the ``kind`` arguments).
 """
 
 from __future__ import annotations

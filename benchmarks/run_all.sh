@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces benchmarks/results/ (results.md, *.png, runs.jsonl): about 5.5 hours on 2 CPU cores (sp 4 runs 4 processes on them).
+# Reproduces benchmarks/results/ (results.md, *.png, runs.jsonl): about 6 hours on 2 CPU cores (sp 4 runs 4 processes on them).
 # Every `bench` call appends its launches to runs.jsonl; the last call rebuilds the report from all of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,9 +32,10 @@ bench --max-seq 2.5G --sp 2 --impl deepspeed --variant notrim='{"trim_host_heap"
 # 5. the memory planner's anchor: DeepSpeed at S=64 (its RSS is the runtime and the model states alone)
 bench --seq-len 64 --sp 2 4 --reps 1 --impl deepspeed --no-noise --no-warm-up --profile-reps 0
 # 5b. the same arms through Transformers' Trainer: DeepSpeed's through its parallelism_config, ours through the
-#     section (and ours-dropin: install() behind that parallelism_config), with the noise arm (about 30 minutes)
+#     section (and ours-dropin: install() behind that parallelism_config), with the noise arm (about 45 minutes)
 bench --loop trainer --seq-len 4K 8K --sp 2 --reps 3 --cycles 2
 bench --loop trainer --seq-len 16K --sp 2 --reps 3 --cycles 1
+bench --loop trainer --seq-len 8K --sp 4 --reps 3 --cycles 1
 # 6. the attention layer alone: DeepSpeed's wrapper, its noise arm and ours interleaved (about 10 minutes)
 bench --layer-iters 8 --reps 3 --seq-len 4K 8K 16K --sp 2 4
 
