@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 from .tap import CollectiveTap
 
-__all__ = ["IMPLEMENTATIONS", "MODEL_DEFAULTS", "ds_config", "make_dataset", "build_model", "tutorial_loss", "main"]
+__all__ = ["IMPLEMENTATIONS", "MODEL_DEFAULTS", "ds_config", "make_dataset", "build_model", "tutorial_loss",
+           "tap_library", "main"]
 
 IMPLEMENTATIONS = ("deepspeed", "ours-dropin", "ours", "deepspeed-alst")
 MODEL_DEFAULTS = {"vocab": 32000, "hidden": 256, "intermediate": 688, "layers": 4, "heads": 8, "kv_heads": 2}
@@ -192,14 +193,29 @@ def _tile_mlps_deepspeed(model, group) -> None:
             module.forward = functools.partial(tiled_forward, module)
 
 
+def tap_library(tap, deepspeed: bool) -> tuple:
+    """Has ``tap`` count the collectives of one library's attention layer (per phase) and adapter refills:
+    DeepSpeed's module, or ours. Returns that attention class and its position-gather method (ours only),
+    as :meth:`benchmarks.profile.Regions.attention` takes them."""
+    if deepspeed:
+        from deepspeed.runtime.sequence_parallel import ulysses_sp
+
+        attention, adapter, positions = ulysses_sp.UlyssesSPAttentionHF, ulysses_sp.UlyssesSPDataLoaderAdapter, None
+    else:
+        from ds_ulysses.sp import attention as ours, data as data_mod
+
+        attention, adapter, positions = ours.UlyssesAttention, data_mod.UlyssesSPDataLoaderAdapter, "_gather_positions"
+    tap.wrap_method(attention, "forward", lambda _: f"attn_{tap_phase(tap)}")
+    tap.wrap_method(adapter, "refill", lambda _: "refill")
+    return attention, positions
+
+
 def _deepspeed(model, spec, data, tap, regions, alst=False):
     import deepspeed
     from deepspeed.runtime.sequence_parallel import ulysses_sp
 
     sp = spec["sp"]
-    tap.wrap_method(ulysses_sp.UlyssesSPAttentionHF, "forward", lambda _: f"attn_{tap_phase(tap)}")
-    tap.wrap_method(ulysses_sp.UlyssesSPDataLoaderAdapter, "refill", lambda _: "refill")
-    regions.attention(ulysses_sp.UlyssesSPAttentionHF)
+    regions.attention(*tap_library(tap, deepspeed=True))
     mpu = ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1)
     if alst:
         _tile_mlps_deepspeed(model, None)
@@ -217,12 +233,9 @@ def _ours_dropin(model, spec, data, tap, regions):
     import deepspeed
 
     from ds_ulysses import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
-    from ds_ulysses.sp import attention, data as data_mod
 
     sp = spec["sp"]
-    tap.wrap_method(attention.UlyssesAttention, "forward", lambda _: f"attn_{tap_phase(tap)}")
-    tap.wrap_method(data_mod.UlyssesSPDataLoaderAdapter, "refill", lambda _: "refill")
-    regions.attention(attention.UlyssesAttention, "_gather_positions")
+    regions.attention(*tap_library(tap, deepspeed=False))
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(sp),
                                       mpu=mpu)
@@ -235,11 +248,8 @@ def _ours_dropin(model, spec, data, tap, regions):
 
 def _ours(model, spec, data, tap, regions):
     import ds_ulysses
-    from ds_ulysses.sp import attention, data as data_mod
 
-    tap.wrap_method(attention.UlyssesAttention, "forward", lambda _: f"attn_{tap_phase(tap)}")
-    tap.wrap_method(data_mod.UlyssesSPDataLoaderAdapter, "refill", lambda _: "refill")
-    regions.attention(attention.UlyssesAttention, "_gather_positions")
+    regions.attention(*tap_library(tap, deepspeed=False))
     config = {**ds_config(spec["sp"]), "ulysses": {"sequence_parallel_size": spec["sp"], **spec.get("section", {})}}
     engine, _, loader, _ = ds_ulysses.initialize(model=model, config=config, training_data=data)
     return engine, iter(loader), lambda engine, batch: engine(**batch).loss

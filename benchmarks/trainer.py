@@ -34,7 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .rank import MODEL_DEFAULTS, _hwm_bytes, _reset_hwm, build_model, make_dataset, tap_phase
+from .rank import MODEL_DEFAULTS, _hwm_bytes, _reset_hwm, build_model, make_dataset, tap_library
 from .tap import CollectiveTap
 
 __all__ = ["IMPLEMENTATIONS", "trainer_ds_config", "run"]
@@ -101,19 +101,6 @@ class _EngineClock:
             setattr(DeepSpeedEngine, name, original)
 
 
-def _wrap_attention(impl: str, tap) -> None:
-    if impl == "deepspeed":
-        from deepspeed.runtime.sequence_parallel import ulysses_sp
-
-        tap.wrap_method(ulysses_sp.UlyssesSPAttentionHF, "forward", lambda _: f"attn_{tap_phase(tap)}")
-        tap.wrap_method(ulysses_sp.UlyssesSPDataLoaderAdapter, "refill", lambda _: "refill")
-    else:
-        from ds_ulysses.sp import attention, data as data_mod
-
-        tap.wrap_method(attention.UlyssesAttention, "forward", lambda _: f"attn_{tap_phase(tap)}")
-        tap.wrap_method(data_mod.UlyssesSPDataLoaderAdapter, "refill", lambda _: "refill")
-
-
 def run(spec: dict) -> dict:
     """Train ``warmup + steps`` steps of the Trainer with one arm; return this rank's measurements in
     :func:`benchmarks.rank.run`'s shape."""
@@ -147,16 +134,17 @@ def run(spec: dict) -> dict:
         deepspeed=trainer_ds_config(sp, section), parallelism_config=pc, seed=0, dataloader_num_workers=0,
         disable_tqdm=True, train_sampling_strategy="sequential")
     clock = _EngineClock(tap)
-    _wrap_attention(impl, tap)
+    tap_library(tap, deepspeed=impl == "deepspeed")
     refills = math.ceil(total / sp) + 1
     data = make_dataset(int(os.environ["WORLD_SIZE"]) * refills, spec["seq_len"], model_spec["vocab"],
                         spec.get("packed_docs", 0))
-    marks, phases, losses, peaks = [], [], [], {}
+    marks, phases, losses = [], [], []
+    seen = {"step_peaks": []}  # what the callbacks read: RSS high-water marks, the refill tallies after warm-up
 
     class Measure(TrainerCallback):
         def on_train_begin(self, *_, **__):
-            peaks["init"] = _hwm_bytes()
-            peaks["reset"] = _reset_hwm()
+            seen["init_peak"] = _hwm_bytes()
+            seen["reset"] = _reset_hwm()
             clock.take()
             dist.barrier()
             marks.append(time.perf_counter())
@@ -164,11 +152,11 @@ def run(spec: dict) -> dict:
 
         def on_step_end(self, *_, **__):
             phases.append(clock.take())
-            peaks.setdefault("steps", []).append(_hwm_bytes())
+            seen["step_peaks"].append(_hwm_bytes())
             dist.barrier()
             marks.append(time.perf_counter())
             if len(marks) == spec["warmup"] + 1:
-                peaks["refill"] = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
+                seen["refill"] = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
                 tap.reset()
 
     class Recording(Trainer):
@@ -184,12 +172,12 @@ def run(spec: dict) -> dict:
     times = [b - a for a, b in zip(marks, marks[1:])]
     measured = slice(spec["warmup"], None)
     split = [[t - sum(p), *p] for t, p in zip(times, phases)]
-    refill = peaks.get("refill", (tap.tallies["refill"].as_dict(), tap.counts["refill"]))
+    refill = seen.get("refill", (tap.tallies["refill"].as_dict(), tap.counts["refill"]))
     steps_peak = _hwm_bytes()
     result = {
         "rank": dist.get_rank(), "world": dist.get_world_size(), "loop": "trainer", "times": times[measured],
-        "phases": split[measured], "losses": losses, "step_peaks": peaks.get("steps", []), "init_peak": peaks["init"],
-        "steps_peak": steps_peak if peaks["reset"] else None, "peak": max(peaks["init"], steps_peak),
+        "phases": split[measured], "losses": losses, "step_peaks": seen["step_peaks"], "init_peak": seen["init_peak"],
+        "steps_peak": steps_peak if seen["reset"] else None, "peak": max(seen["init_peak"], steps_peak),
         "attn_forward": tap.tallies["attn_forward"].as_dict(), "attn_forward_calls": tap.counts["attn_forward"],
         "attn_backward": tap.tallies["attn_backward"].as_dict(), "backward": tap.tallies["backward"].as_dict(),
         "refill": refill[0], "refills": refill[1], "ds_ulysses_loaded": "ds_ulysses" in sys.modules,
