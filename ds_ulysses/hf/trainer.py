@@ -11,7 +11,8 @@ the Trainer computes the loss with ``deepspeed_sp_compute_loss``. After :func:`d
   ``parallelism_config``, and one given with ``parallelism_config`` alone gets the equivalent section
   (:func:`reconcile`), so Accelerate's SP plumbing and :func:`ds_ulysses.initialize` (behind the patched
   ``deepspeed.initialize``) both run, from either switch; a section and a ``parallelism_config`` that
-  disagree are refused naming both values;
+  disagree are refused naming both values; ``parallelism_config`` alone outside the Trainer keeps the
+  model's logits (the tiled loss off), which the user's loop written for DeepSpeed takes its loss from;
 - the Trainer's SP loss is the model's own (:func:`sp_compute_loss`): Transformers' weights per-rank
   mean losses through a differentiable all_gather, which is exact only under ZeRO-3's reduction
   (an average over all ranks) and twice the gradient at sp 2 under ZeRO-1/2 (a sum over SP peers);
@@ -111,7 +112,9 @@ def _parallelism_config(section: UlyssesConfig, pc, world_size: int):
 def reconcile(accelerator) -> None:
     """Give ``accelerator`` both SP switches from whichever it was given: the section (in its DeepSpeed
     config, read by :func:`ds_ulysses.initialize`) and ``parallelism_config`` (read by Accelerate and the
-    Trainer: loader wrapping, batch arithmetic, step counts, the SP loss). No-op without either."""
+    Trainer: loader wrapping, batch arithmetic, step counts, the SP loss). No-op without either. A section
+    made from ``parallelism_config`` alone has the defaults, but for an Accelerator the Trainer did not
+    build the tiled loss is off (:func:`_built_by_trainer`)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:
         return
@@ -119,10 +122,25 @@ def reconcile(accelerator) -> None:
     pc = accelerator.state.parallelism_config
     if section is None and (pc is None or pc.sp_size <= 1):
         return
-    section = _merge(section, pc)
+    if section is None and not _built_by_trainer(plugin):
+        section = _merge(None, pc)  # DeepSpeed's switch in the user's own loop: the model returns its logits
+        section = dataclasses.replace(section, tiled_loss=dataclasses.replace(section.tiled_loss, enabled=False))
+    else:
+        section = _merge(section, pc)
     world = dist.get_world_size() if dist.is_initialized() else accelerator.num_processes
     accelerator.state.parallelism_config = _parallelism_config(section, pc, world)
     plugin.deepspeed_config[SECTION_KEY] = _changed(section.to_dict(), UlyssesConfig().to_dict())
+
+
+def _built_by_trainer(plugin) -> bool:
+    """Whether Transformers' Trainer made this DeepSpeed plugin (from ``TrainingArguments.deepspeed``):
+    there the Trainer computes the loss (:func:`sp_compute_loss`) and nothing reads the logits, so the
+    section's defaults (the tiled loss, which returns none) serve it. In a loop of the user's own, code
+    written for DeepSpeed's SP path takes its loss from ``model(**batch).logits`` (Accelerate's ALST
+    example, DeepSpeed's tutorial), so there ``parallelism_config`` alone keeps them."""
+    module = sys.modules.get("transformers.integrations.deepspeed")
+    trainer_config = getattr(module, "HfTrainerDeepSpeedConfig", None)
+    return trainer_config is not None and isinstance(plugin.hf_ds_config, trainer_config)
 
 
 def _changed(values: dict, defaults: dict) -> dict:

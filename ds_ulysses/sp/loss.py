@@ -25,13 +25,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..constants import IGNORE_INDEX
 from ..distributed.collectives import collective_device, group_size
 from ..distributed.watch import GroupWatch
 
-__all__ = ["TokenCounts", "GlobalTokenMean", "sp_loss_from_logits", "mask_bad_labels"]
+__all__ = ["TokenCounts", "GlobalTokenMean", "sp_loss_from_logits", "mask_bad_labels", "LogitsCrossEntropySum",
+           "logits_cross_entropy_sum"]
+
+_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of fp32: the cross-entropy's temporary per chunk of rows
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,44 @@ def mask_bad_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int = I
     return labels.masked_fill(bad, ignore_index), bad.sum()
 
 
+def logits_cross_entropy_sum(logits: torch.Tensor, y: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """``F.cross_entropy(logits.float(), y, ignore_index=ignore_index, reduction="sum")`` for ``[n V]``
+    logits of any float dtype and ``[n]`` labels, in fp32, keeping for backward only the logits themselves
+    (no copy) and one log-sum-exp per token, where autograd's ``log_softmax`` keeps an ``[n V]`` output
+    of its own: the loss can be taken beside logits its caller keeps (and takes a loss of its own from)
+    at no extra ``[n V]``. The gradient is formed in backward, a chunk of rows at a time in fp32, into one
+    tensor of the logits' dtype."""
+    return LogitsCrossEntropySum.apply(logits, y, ignore_index)
+
+
+class LogitsCrossEntropySum(torch.autograd.Function):
+    """Forward: ``logsumexp(z) - z[y]`` summed over the valid tokens. Backward: ``(softmax(z) - onehot(y))
+    * grad`` on the valid rows, zero on the ignored ones."""
+
+    @staticmethod
+    def forward(ctx, logits, y, ignore_index):
+        valid = y != ignore_index  # [n]
+        targets = y.masked_fill(~valid, 0).unsqueeze(1)  # [n 1], any in-range index where ignored
+        rows = max(1, _CHUNK_ELEMENTS // max(logits.shape[1], 1))
+        lse = logits.new_empty(logits.shape[0], 1, dtype=torch.float32)  # [n 1]
+        for i in range(0, logits.shape[0], rows):
+            torch.logsumexp(logits[i:i + rows].float(), 1, keepdim=True, out=lse[i:i + rows])
+        ctx.save_for_backward(logits, lse, targets, valid)
+        ctx.rows = rows
+        return (lse - logits.gather(1, targets).float()).squeeze(1).masked_fill_(~valid, 0).sum()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, lse, targets, valid = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # [n V]
+        weight = valid.to(torch.float32).mul_(grad_out.float()).unsqueeze(1)  # [n 1]: 0 on ignored rows
+        for i in range(0, logits.shape[0], ctx.rows):
+            probs = logits[i:i + ctx.rows].to(torch.float32, copy=True).sub_(lse[i:i + ctx.rows]).exp_()  # [r V]
+            probs.scatter_add_(1, targets[i:i + ctx.rows], probs.new_full((probs.shape[0], 1), -1.0))
+            grad[i:i + ctx.rows] = probs.mul_(weight[i:i + ctx.rows])
+        return grad, None, None
+
+
 def sp_loss_from_logits(logits: torch.Tensor, shift_labels: torch.Tensor, group=None,
                         grad_scale: float = 1.0, ignore_index: int = IGNORE_INDEX,
                         watch: GroupWatch | None = None) -> torch.Tensor:
@@ -100,7 +140,6 @@ def sp_loss_from_logits(logits: torch.Tensor, shift_labels: torch.Tensor, group=
             "[bs, sl]; pass the shard's shift_labels from UlyssesSPDataLoaderAdapter")
     vocab = logits.shape[-1]
     labels, bad = mask_bad_labels(shift_labels.to(logits.device), vocab, ignore_index)
-    local_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                ignore_index=ignore_index, reduction="sum")
+    local_sum = logits_cross_entropy_sum(logits.flatten(0, 1), labels.flatten(), ignore_index)
     counts = TokenCounts(int((labels != ignore_index).sum()), int(bad), group, grad_scale, vocab, watch)
     return GlobalTokenMean.apply(local_sum, counts)

@@ -24,3 +24,20 @@ def test_accelerate_loop_trains_like_one_process_without_sp_and_refuses_shards_i
         assert errors["loss"] <= 1e-5 and errors["update"] <= 1e-4, errors
         assert "got a sequence shard from UlyssesSPDataLoaderAdapter in eval mode, where SP is disabled" \
                in res["eval_on_shards"]
+
+
+def test_deepspeed_s_accelerate_loop_runs_unchanged_after_install_and_trains_like_deepspeed():
+    """The loop Accelerate's ALST example writes for DeepSpeed's module (DeepSpeed's switch,
+    ``parallelism_config``, and the loss from ``model(**batch).logits`` weighted across the SP group through a
+    differentiable all-gather), under DeepSpeed's module and after ``ds_ulysses.install()``: the same losses and
+    updates, both the unsharded model's at ZeRO-3 (where that loss is right). ``install()`` keeps the logits
+    there; with the section's default tiled loss the model returns none and the loop raised in Transformers'
+    loss (``'NoneType' object has no attribute 'float'``)."""
+    reference = tc.reference(tc.samples(2 * STEPS), STEPS)
+    runs = {library: run_distributed(tc.accelerate_run, 2, 3, "parallelism_config", STEPS, False, library, "example",
+                                     timeout=600) for library in ("deepspeed", "ours")}
+    for library, results in runs.items():
+        for res in results:
+            errors = tc.compare(res, reference)
+            assert errors["loss"] <= 1e-5 and errors["update"] <= 1e-4, (library, errors)
+    assert runs["ours"][0]["losses"] == pytest.approx(runs["deepspeed"][0]["losses"], rel=1e-6)

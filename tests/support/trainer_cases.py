@@ -279,36 +279,56 @@ def trainer_refusals(rank: int, world_size: int, out_dir: str) -> dict:
 
 
 def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: int = 3,
-                   eval_on_shards: bool = False) -> dict:
+                   eval_on_shards: bool = False, library: str = "ours", loss: str = "model") -> dict:
     """A plain Accelerate loop (``accelerator.prepare`` / ``accelerator.backward``) with SP from ``switch``;
-    ``eval_on_shards`` then feeds the sharded train loader to the model in eval mode."""
+    ``eval_on_shards`` then feeds the sharded train loader to the model in eval mode. ``library``
+    "deepspeed" runs DeepSpeed's module (no ``install()``; ``switch`` must be "parallelism_config").
+    ``loss`` "model" takes ``model(**batch).loss``; "example" is the loop Accelerate's ALST example and
+    DeepSpeed's tutorial write for DeepSpeed's module: the model's loss function on this rank's
+    ``logits`` and ``shift_labels``, weighted across the SP group by valid-token counts through a
+    differentiable all-gather."""
     from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
-    from accelerate.utils import DeepSpeedPlugin
+    from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig
+    from deepspeed.utils import groups
 
     import ds_ulysses
     from examples.cpu_gloo import report_gloo_world
 
     report_gloo_world()
-    ds_ulysses.install()
+    if library == "ours":
+        ds_ulysses.install()
     model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))  # before the ZeRO-3 plugin (see trainer_run)
     section = {"sequence_parallel_size": world_size} if switch in ("section", "both") else None
     config = {**ds_config(stage, section), "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "gradient_clipping": 0.0}
     config.pop("train_batch_size")
-    pc = (ParallelismConfig(sp_backend="deepspeed", sp_size=world_size)
-          if switch in ("parallelism_config", "both") else None)
+    handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa") if library == "deepspeed" else None
+    pc = (ParallelismConfig(sp_backend="deepspeed", sp_size=world_size, sp_handler=handler)
+          if switch in ("parallelism_config", "both") else None)  # DeepSpeed's module needs the kernel named
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), parallelism_config=pc)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    loader = torch.utils.data.DataLoader(samples(2 * steps), batch_size=1)
+    data = samples(2 * steps)
+    if loss == "example":  # DeepSpeed's adapter requires them
+        data = [{**sample, "position_ids": torch.arange(len(sample["input_ids"]))} for sample in data]
+    loader = torch.utils.data.DataLoader(data, batch_size=1)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     losses = []
     for _, batch in zip(range(steps), loader):
-        loss = model(**batch).loss
-        accelerator.backward(loss)
+        if loss == "example":
+            group, module = groups._get_sequence_parallel_group(), accelerator.unwrap_model(model)
+            shift_labels = batch["shift_labels"]
+            step_loss = module.loss_function(logits=model(**batch).logits, labels=None, shift_labels=shift_labels,
+                                             vocab_size=module.config.vocab_size)
+            per_rank = torch.distributed.nn.functional.all_gather(step_loss, group=group)
+            tokens = torch.distributed.nn.functional.all_gather((shift_labels != -100).sum(), group=group)
+            step_loss = sum(l * t for l, t in zip(per_rank, tokens)) / sum(tokens)
+        else:
+            step_loss = model(**batch).loss
+        accelerator.backward(step_loss)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
+        losses.append(step_loss.item())
     out = {"losses": losses, "params": full_params(model), "sp": accelerator.parallelism_config.sp_size}
     if eval_on_shards:  # a wrapped loader in eval mode, where Accelerate turned SP off: refused, not wrong
         model.eval()
