@@ -12,9 +12,10 @@ ratio is taken within a repetition (arm / ``deepspeed`` of the same repetition),
 machine load cancel, and is reported as the median over repetitions with its spread
 (:mod:`benchmarks.report`).
 
-``--loop trainer`` runs the same arms through Transformers' Trainer (:mod:`benchmarks.trainer`):
-DeepSpeed's through Transformers' documented ``parallelism_config``, ours through the section; their
-records are kind ``trainer``, reported apart from the engine loop's.
+``--loop trainer`` runs the same arms through Transformers' Trainer (:mod:`benchmarks.trainer`) and
+``--loop accelerate`` through a plain Accelerate loop (:mod:`benchmarks.accelerate_loop`): DeepSpeed's
+through the documented ``parallelism_config``, ours through the section; their records are kind
+``trainer`` and ``accelerate``, each reported apart from the engine loop's.
 
 Other modes: ``--layer-iters`` (the attention layer alone, :mod:`benchmarks.layer`), ``--tiled-iters``
 (TiledMLP and sequence_tiled_compute against DeepSpeed's, :mod:`benchmarks.tiled`) and
@@ -43,7 +44,7 @@ __all__ = ["add_arguments", "run_command", "main", "launch", "OverBudget", "run_
            "impl_name", "arms", "parse_bytes", "launch_time", "launch_peak", "stamp", "NOISE_ARM", "TILED_OPS"]
 
 _IMPLS = ("deepspeed", "ours-dropin", "ours", "deepspeed-alst")
-LOOPS = {"engine": "step", "trainer": "trainer"}  # --loop -> the kind its records carry
+LOOPS = {"engine": "step", "trainer": "trainer", "accelerate": "accelerate"}  # --loop -> its records' kind
 NOISE_ARM = "deepspeed[again]"
 TILED_OPS = ("tiled_mlp", "stc_mlp", "stc_loss", "fused_loss")  # --tiled-iters' operations (benchmarks.tiled)
 
@@ -229,7 +230,8 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
     ``steps`` None means ``cycles`` adapter refill cycles of sp steps; ``variants`` maps a name to a ``"ulysses"``
     section override for an extra ``ours`` arm; the first ``profile_reps`` repetitions also profile
     one step per launch (:mod:`benchmarks.profile`). ``loop`` "trainer" trains each arm through
-    Transformers' Trainer (:mod:`benchmarks.trainer`; nothing is profiled there).
+    Transformers' Trainer (:mod:`benchmarks.trainer`), "accelerate" through a plain Accelerate loop
+    (:mod:`benchmarks.accelerate_loop`); nothing is profiled in either.
     """
     from .report import format_group
 
@@ -312,7 +314,8 @@ def model_key(model: dict | None) -> str:
 
 def summarize(records: list[dict], kind: str = "step") -> dict:
     """(name, S, sp, packed, model) -> pooled medians and per-layer communication (every launch of `kind`:
-    ``step`` for the engine loop, ``trainer`` for the Trainer's)."""
+    ``step`` for the engine loop, ``trainer`` for the Trainer's, ``accelerate`` for the plain
+    Accelerate loop's)."""
     groups: dict = {}
     for rec in (r for r in records if "error" not in r and r.get("kind", "step") == kind):
         key = (rec["name"], rec["seq_len"], rec["sp"], rec.get("packed_docs", 0), model_key(rec.get("model")))
@@ -353,7 +356,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine: the user loop of engine(**batch), engine.backward, engine.step (DeepSpeed's "
                              "tutorial); trainer: the same arms through Transformers' Trainer (deepspeed: its "
                              "parallelism_config; ours: ds_ulysses.install() and the section; ours-dropin: "
-                             "install() and the parallelism_config, which then takes our section defaults)")
+                             "install() and the parallelism_config, which then takes our section defaults); "
+                             "accelerate: the same three arms in a plain Accelerate loop (accelerator.prepare, "
+                             "accelerator.backward; DeepSpeed's user's loss as Accelerate's guide writes it)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                         help="an extra 'ours' arm with this \"ulysses\" section override, e.g. "
                              "'mlp={\"tiled_mlp\": {\"enabled\": true}}' (repeatable)")
@@ -371,7 +376,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per launch")
     parser.add_argument("--profile-reps", type=int, default=None, metavar="N",
                         help="profile one extra step per launch in the first N repetitions (0: none; default 1, "
-                             "and 0 with --loop trainer, which profiles nothing)")
+                             "and 0 with --loop trainer or accelerate, which profile nothing)")
     parser.add_argument("--model", action="append", default=[], metavar="KEY=INT",
                         help="model size override: vocab, hidden, intermediate, layers, heads, kv_heads")
     parser.add_argument("--out", default="benchmarks/results/runs.jsonl", help="JSON lines file to append to")
@@ -424,20 +429,23 @@ def _parse_pairs(pairs, what: str, value=json.loads) -> dict:
 
 
 def _check_loop(args: argparse.Namespace) -> None:
-    """``--loop trainer`` takes the training-step suite's arms that a Trainer user can switch on."""
+    """``--loop trainer`` and ``--loop accelerate`` take the training-step suite's arms that a user of that
+    loop can switch on."""
     if args.loop == "engine":
         return
-    from .trainer import IMPLEMENTATIONS
+    from .accelerate_loop import IMPLEMENTATIONS as ACCELERATE_ARMS
+    from .trainer import IMPLEMENTATIONS as TRAINER_ARMS
 
-    other = [impl for impl in args.impl if impl not in IMPLEMENTATIONS]
+    runs = {"trainer": TRAINER_ARMS, "accelerate": ACCELERATE_ARMS}[args.loop]
+    other = [impl for impl in args.impl if impl not in runs]
     if other:
-        raise ValueError(f"--loop trainer runs the arms {list(IMPLEMENTATIONS)}, got {other}; leave those out "
-                         "(DeepSpeed's tiled recipe has no Trainer switch)")
+        raise ValueError(f"--loop {args.loop} runs the arms {list(runs)}, got {other}; leave those out "
+                         f"(DeepSpeed's tiled recipe has no {args.loop} switch)")
     if args.profile_reps:
-        raise ValueError(f"--loop trainer profiles nothing, got --profile-reps {args.profile_reps}; leave it out")
+        raise ValueError(f"--loop {args.loop} profiles nothing, got --profile-reps {args.profile_reps}; leave it out")
     if args.max_seq or args.tiled_iters or args.layer_iters:
-        raise ValueError("--loop trainer times training steps; it does not combine with --max-seq, --tiled-iters "
-                         "or --layer-iters")
+        raise ValueError(f"--loop {args.loop} times training steps; it does not combine with --max-seq, "
+                         "--tiled-iters or --layer-iters")
 
 
 def run_command(args: argparse.Namespace) -> int:

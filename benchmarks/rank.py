@@ -385,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
         from .trainer import run as run_trainer
 
         result = run_trainer(spec)
+    elif spec.get("loop") == "accelerate":
+        from .accelerate_loop import run as run_accelerate
+
+        result = run_accelerate(spec)
     else:
         result = run(spec)
     with open(f"{argv[0]}.rank{os.environ['RANK']}.json", "w") as f:

@@ -14,8 +14,9 @@ verdict is claimed only beyond the noise:
 Targets (issue 15): mechanism (``ours-dropin``) time and memory <= 1.0 at every length; product
 (``ours``, defaults) time <= 0.95 and memory <= 0.6 at S >= 16K; packed product time <= 0.7.
 
-The Trainer loop's launches (``--loop trainer``, records of kind ``trainer``) are paired, judged and
-tabled the same way, apart from the engine loop's (the ``kind`` arguments).
+The Trainer's and the plain Accelerate loop's launches (``--loop trainer`` and ``--loop accelerate``,
+records of kind ``trainer`` and ``accelerate``) are paired, judged and tabled the same way, each apart
+from the engine loop's (the ``kind`` arguments).
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def ulysses_min_bytes(model: dict, seq_len: int, sp: int, itemsize: int = 4) -> 
 
 
 # -- ratios, noise, verdicts ------------------------------------------------------------------------
+LOOP_TITLES = {"trainer": "Through Transformers' Trainer (`--loop trainer`)",
+               "accelerate": "In a plain Accelerate loop (`--loop accelerate`)"}
+
+
 def _config(rec: dict) -> tuple:
     return rec["seq_len"], rec["sp"], rec.get("packed_docs", 0), model_key(rec.get("model"))
 
@@ -64,7 +69,7 @@ def _config(rec: dict) -> tuple:
 def paired_launches(records: list[dict], kind: str = "step") -> dict:
     """(name, S, sp, packed, model) -> [(launch, deepspeed launch)], one per repetition: each launch with
     the ``deepspeed`` launch of the same run and repetition, among the launches of `kind` (``step``: the
-    engine loop; ``trainer``: the Trainer's)."""
+    engine loop; ``trainer``: the Trainer's; ``accelerate``: the plain Accelerate loop's)."""
     runs = [r for r in records if "error" not in r and r.get("kind", "step") == kind and "rep" in r]
     base = {(r.get("run"), r["rep"], *_config(r)): r for r in runs if r["name"] == "deepspeed"}
     out: dict = {}
@@ -433,10 +438,10 @@ def write_report(records: list[dict], out_dir: Path) -> list[Path]:
         sections += ["## Longest sequence in a per-rank RSS budget", format_maxseq(maxseq)]
     if tiled:
         sections += ["## TiledMLP and sequence_tiled_compute vs DeepSpeed's, equal shards", format_tiled(tiled)]
-    if any(r.get("kind") == "trainer" for r in ok):
-        sections += ["## Through Transformers' Trainer (`--loop trainer`): noise, ratios arm / DeepSpeed's "
-                     "parallelism_config path", format_noise(ok, "trainer"), format_ratios(ok, "trainer"),
-                     format_summary(summarize(ok, "trainer"))]
+    for kind, title in LOOP_TITLES.items():
+        if any(r.get("kind") == kind for r in ok):
+            sections += [f"## {title}: noise, ratios arm / DeepSpeed's parallelism_config path",
+                         format_noise(ok, kind), format_ratios(ok, kind), format_summary(summarize(ok, kind))]
     if any(r.get("kind") == "layer" for r in ok):
         sections += ["## The attention layer alone (DeepSpeed's wrapper, its noise arm and ours interleaved per "
                      "iteration)", format_layer(ok)]

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .rank import MODEL_DEFAULTS, _hwm_bytes, _reset_hwm, build_model, make_dataset, tap_library
 from .tap import CollectiveTap
 
-__all__ = ["IMPLEMENTATIONS", "trainer_ds_config", "run"]
+__all__ = ["IMPLEMENTATIONS", "EngineClock", "trainer_ds_config", "run"]
 
 IMPLEMENTATIONS = ("deepspeed", "ours-dropin", "ours")
 LR = 1e-4
@@ -60,7 +60,7 @@ def trainer_ds_config(sp: int, section: dict | None) -> dict:
     return config
 
 
-class _EngineClock:
+class EngineClock:
     """Seconds spent in DeepSpeed's engine ``forward``, ``backward`` and ``step`` since the last
     :meth:`take`, timed around the class's methods (both arms train through a ``DeepSpeedEngine``)."""
 
@@ -133,7 +133,7 @@ def run(spec: dict) -> dict:
         learning_rate=LR, lr_scheduler_type="constant", logging_steps=1 << 30, report_to=[], save_strategy="no",
         deepspeed=trainer_ds_config(sp, section), parallelism_config=pc, seed=0, dataloader_num_workers=0,
         disable_tqdm=True, train_sampling_strategy="sequential")
-    clock = _EngineClock(tap)
+    clock = EngineClock(tap)
     tap_library(tap, deepspeed=impl == "deepspeed")
     refills = math.ceil(total / sp) + 1
     data = make_dataset(int(os.environ["WORLD_SIZE"]) * refills, spec["seq_len"], model_spec["vocab"],

@@ -55,18 +55,21 @@ def test_tiny_side_by_side_run_writes_the_tables(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_the_trainer_loop_runs_each_arm_through_transformers_trainer(tmp_path, capsys):
-    """`--loop trainer`: DeepSpeed's arm through Transformers' parallelism_config without ds_ulysses loaded, ours
-    through install() and the section, ours-dropin through install() and the same parallelism_config; the same
-    model and samples give the same loss at every step, each arm's attention layers run (and are counted), and
-    the Trainer records are reported apart from the engine loop's."""
+@pytest.mark.parametrize("loop,title", [("trainer", "Through Transformers' Trainer"),
+                                        ("accelerate", "In a plain Accelerate loop")])
+def test_the_trainer_and_accelerate_loops_run_each_arm_through_them(tmp_path, capsys, loop, title):
+    """`--loop trainer` and `--loop accelerate`: DeepSpeed's arm through the documented parallelism_config without
+    ds_ulysses loaded, ours through install() and the section, ours-dropin through install() and the same
+    parallelism_config (in the Accelerate loop with DeepSpeed's user's loss from the logits, which it keeps); the
+    same model and samples give the same loss at every step, each arm's attention layers run (and are counted),
+    and each loop's records are reported apart from the engine loop's."""
     out, report_dir = tmp_path / "runs.jsonl", tmp_path / "report"
-    assert cli.main(["bench", "--loop", "trainer", "--seq-len", "64", "--sp", "2", "--reps", "1", "--steps", "2",
+    assert cli.main(["bench", "--loop", loop, "--seq-len", "64", "--sp", "2", "--reps", "1", "--steps", "2",
                      "--warmup", "0", "--no-warm-up", "--no-noise", "--impl", "deepspeed", "ours-dropin", "ours",
                      *TINY, "--out", str(out), "--report", str(report_dir), "--timeout", "240"]) == 0
     records = {r["name"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert sorted(records) == ["deepspeed", "ours", "ours-dropin"]
-    assert all(r["kind"] == "trainer" and r["loop"] == "trainer" for r in records.values())
+    assert all(r["kind"] == loop and r["loop"] == loop for r in records.values())
     for name, rec in records.items():
         ranks = rec["ranks"]
         assert all(r["ds_ulysses_loaded"] == (name != "deepspeed") for r in ranks), name
@@ -78,8 +81,8 @@ def test_the_trainer_loop_runs_each_arm_through_transformers_trainer(tmp_path, c
     printed = capsys.readouterr().out
     assert "| ours-dropin | 64 | 2 |" in printed and "| ours | 64 | 2 |" in printed
     text = (report_dir / "results.md").read_text()
-    assert "Through Transformers' Trainer" in text
-    assert text.count("| ours-dropin | 64 | 2 |") == 2  # its ratio row and its measurement, in the Trainer section only
+    assert title in text
+    assert text.count("| ours-dropin | 64 | 2 |") == 2  # its ratio row and its measurement, in the loop's section only
 
 
 @pytest.mark.slow
@@ -144,6 +147,8 @@ def test_sizes_and_bad_arguments(capsys):
     assert "--loop trainer profiles nothing" in capsys.readouterr().err
     assert cli.main(["bench", "--loop", "trainer", "--max-seq", "2G"]) == 2
     assert "does not combine with --max-seq" in capsys.readouterr().err
+    assert cli.main(["bench", "--loop", "accelerate", "--impl", "deepspeed-alst"]) == 2
+    assert "--loop accelerate runs the arms" in capsys.readouterr().err
 
 
 def test_a_launch_counts_its_fastest_refill_cycle_of_the_slowest_ranks_steps():

@@ -1,0 +1,143 @@
+"""One rank of one benchmark launch in a plain Accelerate loop (``ds-ulysses bench --loop accelerate``).
+
+The same arms as :mod:`benchmarks.rank`, reached the way a user of Accelerate's own loop reaches them
+(``accelerator.prepare`` of model, optimizer and DataLoader, then ``accelerator.backward`` and
+``optimizer.step``), with the engine loop's model, samples and ZeRO-3 + CPU offload config (the config's
+optimizer, so the loop's optimizer is Accelerate's ``DummyOptim``):
+
+- ``deepspeed``: Accelerate's documented SP path, ``Accelerator(parallelism_config=ParallelismConfig(
+  sp_backend="deepspeed", sp_size=sp))``: Accelerate registers DeepSpeed's ``UlyssesSPAttentionHF`` and
+  wraps the DataLoader in its ``UlyssesSPDataLoaderAdapter``; the loop takes ``model(**batch).loss`` (each
+  rank's mean over its shard) and weights the SP group's losses by their valid-token counts through a
+  differentiable all-gather, as Accelerate's guide writes it. The guide finds the SP group in
+  ``accelerator.torch_device_mesh``, which Accelerate 1.15 leaves ``None`` under DeepSpeed SP; the loop
+  takes it from DeepSpeed's ``groups``, as Transformers' Trainer does. ds_ulysses is not imported.
+- ``ours``: ``ds_ulysses.install()`` and the ``"ulysses"`` section (with the arm's overrides, our defaults
+  otherwise) in the same DeepSpeed config, no ``parallelism_config``; the loop takes ``model(**batch).loss``,
+  the sample's token-mean loss (README, "Accelerate").
+- ``ours-dropin``: ``ds_ulysses.install()`` in front of DeepSpeed's user's code unchanged, its
+  ``parallelism_config`` and its loss aggregation included. That ``parallelism_config`` becomes a section
+  with our defaults, so this is the product path too; the mechanism alone is ``ours`` with the variant
+  ``{"tiled_loss": {"enabled": false}, "trim_host_heap": false}``.
+
+A step is one turn of the loop, after a barrier: the next batch (the adapter), the forward with the loss,
+``accelerator.backward`` (which runs DeepSpeed's ``backward`` and ``step``), ``optimizer.step`` and
+``optimizer.zero_grad``. ``phases`` split it as :mod:`benchmarks.trainer` does, around the engine's own
+methods. Memory is the RSS high-water mark, reset after ``prepare`` (the engine is built by then).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from .rank import MODEL_DEFAULTS, _aggregate, _hwm_bytes, _reset_hwm, build_model, ds_config, make_dataset, tap_library
+from .tap import CollectiveTap
+from .trainer import EngineClock
+
+__all__ = ["IMPLEMENTATIONS", "run"]
+
+IMPLEMENTATIONS = ("deepspeed", "ours-dropin", "ours")
+
+
+def _guide_loss(model, batch: dict, group) -> torch.Tensor:
+    """Accelerate's example: the model's loss function on this rank's logits and ``shift_labels``, weighted
+    across the SP group by valid-token counts."""
+    shift_labels = batch["shift_labels"]
+    module = model.module
+    loss = module.loss_function(logits=model(**batch).logits, labels=None, shift_labels=shift_labels,
+                                vocab_size=module.config.vocab_size)
+    return _aggregate(loss, shift_labels, group)
+
+
+def run(spec: dict) -> dict:
+    """Train ``warmup + steps`` steps of a plain Accelerate loop with one arm; return this rank's
+    measurements in :func:`benchmarks.rank.run`'s shape."""
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig, DummyOptim
+
+    from examples.cpu_gloo import report_gloo_world
+
+    torch.set_num_threads(spec.get("threads", 1))
+    impl, sp = spec["impl"], spec["sp"]
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"the Accelerate loop runs {IMPLEMENTATIONS}, got {impl!r}; pick one of them")
+    report_gloo_world()  # Accelerate on a CPU-only machine counts one process without it (examples/cpu_gloo.py)
+    if impl != "deepspeed":
+        import ds_ulysses
+
+        ds_ulysses.install()
+    tap = CollectiveTap().install()
+    tap.phase = "setup"
+    model_spec = {**MODEL_DEFAULTS, **spec.get("model", {})}
+    model = build_model(model_spec).train()
+    config = ds_config(sp)
+    if impl == "ours":
+        config["ulysses"] = {"sequence_parallel_size": sp, **spec.get("section", {})}
+    pc = None if impl == "ours" else ParallelismConfig(
+        sp_backend="deepspeed", sp_size=sp, sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), parallelism_config=pc)
+    total = spec["warmup"] + spec["steps"]
+    refills = math.ceil(total / sp) + 1
+    data = make_dataset(int(os.environ["WORLD_SIZE"]) * refills, spec["seq_len"], model_spec["vocab"],
+                        spec.get("packed_docs", 0))
+    clock = EngineClock(tap)
+    tap_library(tap, deepspeed=impl == "deepspeed")
+    optimizer = DummyOptim(model.parameters(), lr=config["optimizer"]["params"]["lr"])
+    loader = torch.utils.data.DataLoader(data, batch_size=1)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if impl == "ours":
+        def loss_of(batch):
+            return model(**batch).loss
+    else:
+        from deepspeed.utils import groups
+
+        group = groups._get_sequence_parallel_group()  # as the Trainer finds it: Accelerate builds no mesh for it
+
+        def loss_of(batch):
+            return _guide_loss(model, batch, group)
+    init_peak = _hwm_bytes()
+    reset_ok = _reset_hwm()
+    clock.take()
+    batches = iter(loader)
+    times, phases, losses, step_peaks = [], [], [], []
+    refill = ({}, 0)
+    for i in range(total):
+        if i == spec["warmup"]:
+            refill = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
+            tap.reset()
+        dist.barrier()
+        begin = time.perf_counter()
+        tap.phase = "load"
+        loss = loss_of(next(batches))
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        seconds = time.perf_counter() - begin
+        split = clock.take()
+        losses.append(float(loss.detach()))
+        step_peaks.append(_hwm_bytes())
+        if i >= spec["warmup"]:
+            times.append(seconds)
+            phases.append([seconds - sum(split), *split])
+    if spec["warmup"] == 0:
+        refill = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
+    steps_peak = _hwm_bytes()
+    clock.uninstall()
+    result = {
+        "rank": dist.get_rank(), "world": dist.get_world_size(), "loop": "accelerate", "times": times,
+        "phases": phases, "losses": losses, "step_peaks": step_peaks, "init_peak": init_peak,
+        "steps_peak": steps_peak if reset_ok else None, "peak": max(init_peak, steps_peak),
+        "attn_forward": tap.tallies["attn_forward"].as_dict(), "attn_forward_calls": tap.counts["attn_forward"],
+        "attn_backward": tap.tallies["attn_backward"].as_dict(), "backward": tap.tallies["backward"].as_dict(),
+        "refill": refill[0], "refills": refill[1], "ds_ulysses_loaded": "ds_ulysses" in sys.modules,
+    }
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
