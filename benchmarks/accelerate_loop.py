@@ -16,8 +16,10 @@ optimizer, so the loop's optimizer is Accelerate's ``DummyOptim``):
   otherwise) in the same DeepSpeed config, no ``parallelism_config``; the loop takes ``model(**batch).loss``,
   the sample's token-mean loss (README, "Accelerate").
 - ``ours-dropin``: ``ds_ulysses.install()`` in front of DeepSpeed's user's code unchanged, its
-  ``parallelism_config`` and its loss aggregation included. That ``parallelism_config`` becomes a section
-  with our defaults, so this is the product path too; the mechanism alone is ``ours`` with the variant
+  ``parallelism_config`` and its loss from the logits included. Outside the Trainer that
+  ``parallelism_config`` becomes a section with the tiled loss off (the model returns the logits that
+  code reads; README, "Accelerate"), so this arm is the mechanism with our SP loss computed beside the
+  user's. The mechanism alone, with the loss taken once, is ``ours`` with the variant
   ``{"tiled_loss": {"enabled": false}, "trim_host_heap": false}``.
 
 A step is one turn of the loop, after a barrier: the next batch (the adapter), the forward with the loss,
