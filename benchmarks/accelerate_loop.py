@@ -32,19 +32,15 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from .rank import MODEL_DEFAULTS, _aggregate, _hwm_bytes, _reset_hwm, build_model, ds_config, make_dataset, tap_library
-from .tap import CollectiveTap
-from .trainer import EngineClock
+from .rank import _aggregate, _hwm_bytes, _reset_hwm, ds_config, make_dataset, tap_library
+from .trainer import IMPLEMENTATIONS, EngineClock, finish_arm, start_arm
 
 __all__ = ["IMPLEMENTATIONS", "run"]
-
-IMPLEMENTATIONS = ("deepspeed", "ours-dropin", "ours")
 
 
 def _guide_loss(model, batch: dict, group) -> torch.Tensor:
@@ -64,21 +60,7 @@ def run(spec: dict) -> dict:
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig, DummyOptim
 
-    from examples.cpu_gloo import report_gloo_world
-
-    torch.set_num_threads(spec.get("threads", 1))
-    impl, sp = spec["impl"], spec["sp"]
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"the Accelerate loop runs {IMPLEMENTATIONS}, got {impl!r}; pick one of them")
-    report_gloo_world()  # Accelerate on a CPU-only machine counts one process without it (examples/cpu_gloo.py)
-    if impl != "deepspeed":
-        import ds_ulysses
-
-        ds_ulysses.install()
-    tap = CollectiveTap().install()
-    tap.phase = "setup"
-    model_spec = {**MODEL_DEFAULTS, **spec.get("model", {})}
-    model = build_model(model_spec).train()
+    impl, sp, tap, model_spec, model = start_arm(spec, "accelerate")
     config = ds_config(sp)
     if impl == "ours":
         config["ulysses"] = {"sequence_parallel_size": sp, **spec.get("section", {})}
@@ -132,14 +114,7 @@ def run(spec: dict) -> dict:
         refill = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
     steps_peak = _hwm_bytes()
     clock.uninstall()
-    result = {
-        "rank": dist.get_rank(), "world": dist.get_world_size(), "loop": "accelerate", "times": times,
-        "phases": phases, "losses": losses, "step_peaks": step_peaks, "init_peak": init_peak,
-        "steps_peak": steps_peak if reset_ok else None, "peak": max(init_peak, steps_peak),
-        "attn_forward": tap.tallies["attn_forward"].as_dict(), "attn_forward_calls": tap.counts["attn_forward"],
-        "attn_backward": tap.tallies["attn_backward"].as_dict(), "backward": tap.tallies["backward"].as_dict(),
-        "refill": refill[0], "refills": refill[1], "ds_ulysses_loaded": "ds_ulysses" in sys.modules,
-    }
-    dist.barrier()
-    dist.destroy_process_group()
-    return result
+    return finish_arm(tap, "accelerate", {
+        "times": times, "phases": phases, "losses": losses, "step_peaks": step_peaks, "init_peak": init_peak,
+        "steps_peak": steps_peak if reset_ok else None, "peak": max(init_peak, steps_peak), "refill": refill[0],
+        "refills": refill[1]})

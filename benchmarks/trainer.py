@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .rank import MODEL_DEFAULTS, _hwm_bytes, _reset_hwm, build_model, make_dataset, tap_library
 from .tap import CollectiveTap
 
-__all__ = ["IMPLEMENTATIONS", "EngineClock", "trainer_ds_config", "run"]
+__all__ = ["IMPLEMENTATIONS", "EngineClock", "start_arm", "finish_arm", "trainer_ds_config", "run"]
 
 IMPLEMENTATIONS = ("deepspeed", "ours-dropin", "ours")
 LR = 1e-4
@@ -101,19 +101,16 @@ class EngineClock:
             setattr(DeepSpeedEngine, name, original)
 
 
-def run(spec: dict) -> dict:
-    """Train ``warmup + steps`` steps of the Trainer with one arm; return this rank's measurements in
-    :func:`benchmarks.rank.run`'s shape."""
-    from accelerate.parallelism_config import ParallelismConfig
-    from accelerate.utils import DeepSpeedSequenceParallelConfig
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
+def start_arm(spec: dict, loop: str):
+    """What every arm of the Trainer's and the Accelerate loop does first: threads, Accelerate's CPU world,
+    ``ds_ulysses.install()`` for ours, the collective tap, the model (built whole, before any DeepSpeed
+    config exists). Returns (impl, sp, tap, model spec, model)."""
     from examples.cpu_gloo import report_gloo_world
 
     torch.set_num_threads(spec.get("threads", 1))
     impl, sp = spec["impl"], spec["sp"]
     if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"the Trainer loop runs {IMPLEMENTATIONS}, got {impl!r}; pick one of them")
+        raise ValueError(f"--loop {loop} runs {IMPLEMENTATIONS}, got {impl!r}; pick one of them")
     report_gloo_world()  # Accelerate on a CPU-only machine counts one process without it (examples/cpu_gloo.py)
     if impl != "deepspeed":
         import ds_ulysses
@@ -122,7 +119,31 @@ def run(spec: dict) -> dict:
     tap = CollectiveTap().install()
     tap.phase = "setup"
     model_spec = {**MODEL_DEFAULTS, **spec.get("model", {})}
-    model = build_model(model_spec).train()  # before TrainingArguments: built whole in every arm
+    return impl, sp, tap, model_spec, build_model(model_spec).train()
+
+
+def finish_arm(tap, loop: str, measured: dict) -> dict:
+    """This rank's result in :func:`benchmarks.rank.run`'s shape (``measured``: times, phases, losses and
+    peaks), with the tap's tallies and whether ds_ulysses was loaded; then the process group ends."""
+    result = {
+        "rank": dist.get_rank(), "world": dist.get_world_size(), "loop": loop, **measured,
+        "attn_forward": tap.tallies["attn_forward"].as_dict(), "attn_forward_calls": tap.counts["attn_forward"],
+        "attn_backward": tap.tallies["attn_backward"].as_dict(), "backward": tap.tallies["backward"].as_dict(),
+        "ds_ulysses_loaded": "ds_ulysses" in sys.modules,
+    }
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def run(spec: dict) -> dict:
+    """Train ``warmup + steps`` steps of the Trainer with one arm; return this rank's measurements in
+    :func:`benchmarks.rank.run`'s shape."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    impl, sp, tap, model_spec, model = start_arm(spec, "trainer")
     total = spec["warmup"] + spec["steps"]
     section = spec.get("section", {}) if impl == "ours" else None
     pc = None if impl == "ours" else ParallelismConfig(
@@ -174,14 +195,7 @@ def run(spec: dict) -> dict:
     split = [[t - sum(p), *p] for t, p in zip(times, phases)]
     refill = seen.get("refill", (tap.tallies["refill"].as_dict(), tap.counts["refill"]))
     steps_peak = _hwm_bytes()
-    result = {
-        "rank": dist.get_rank(), "world": dist.get_world_size(), "loop": "trainer", "times": times[measured],
-        "phases": split[measured], "losses": losses, "step_peaks": seen["step_peaks"], "init_peak": seen["init_peak"],
-        "steps_peak": steps_peak if seen["reset"] else None, "peak": max(seen["init_peak"], steps_peak),
-        "attn_forward": tap.tallies["attn_forward"].as_dict(), "attn_forward_calls": tap.counts["attn_forward"],
-        "attn_backward": tap.tallies["attn_backward"].as_dict(), "backward": tap.tallies["backward"].as_dict(),
-        "refill": refill[0], "refills": refill[1], "ds_ulysses_loaded": "ds_ulysses" in sys.modules,
-    }
-    dist.barrier()
-    dist.destroy_process_group()
-    return result
+    return finish_arm(tap, "trainer", {
+        "times": times[measured], "phases": split[measured], "losses": losses, "step_peaks": seen["step_peaks"],
+        "init_peak": seen["init_peak"], "steps_peak": steps_peak if seen["reset"] else None,
+        "peak": max(seen["init_peak"], steps_peak), "refill": refill[0], "refills": refill[1]})
