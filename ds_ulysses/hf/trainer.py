@@ -42,6 +42,7 @@ import functools
 import inspect
 import math
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -56,8 +57,10 @@ from ..sp.data import UlyssesSPDataLoaderAdapter
 from .decoder_watch import unserved_loss_scope
 from .router_loss import router_coef
 
-__all__ = ["reconcile", "sp_compute_loss", "skip_first_batches", "install_accelerate", "step_tokens",
-           "token_weight", "router_weight", "refuse_dropped_loss_features", "activate_neftune"]
+__all__ = ["reconcile", "tile_the_trainer_s_loss", "sp_compute_loss", "skip_first_batches", "install_accelerate",
+           "step_tokens", "token_weight", "router_weight", "refuse_dropped_loss_features", "activate_neftune"]
+
+_LOGITS_KEPT: weakref.WeakSet = weakref.WeakSet()  # Accelerators reconciled from parallelism_config alone
 
 
 def _pc_values(pc) -> dict:
@@ -112,9 +115,12 @@ def _parallelism_config(section: UlyssesConfig, pc, world_size: int):
 def reconcile(accelerator) -> None:
     """Give ``accelerator`` both SP switches from whichever it was given: the section (in its DeepSpeed
     config, read by :func:`ds_ulysses.initialize`) and ``parallelism_config`` (read by Accelerate and the
-    Trainer: loader wrapping, batch arithmetic, step counts, the SP loss). No-op without either. A section
-    made from ``parallelism_config`` alone has the defaults, but for an Accelerator the Trainer did not
-    build the tiled loss is off (:func:`_built_by_trainer`)."""
+    Trainer: loader wrapping, batch arithmetic, step counts, the SP loss). No-op without either.
+
+    A section made from ``parallelism_config`` alone has the defaults but the tiled loss, which returns no
+    logits: code written for DeepSpeed's SP path in a loop of the user's own takes its loss from
+    ``model(**batch).logits`` (Accelerate's ALST example, DeepSpeed's tutorial). The Trainer, which computes
+    the loss itself, gets it back when it trains (:func:`tile_the_trainer_s_loss`)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:
         return
@@ -122,25 +128,22 @@ def reconcile(accelerator) -> None:
     pc = accelerator.state.parallelism_config
     if section is None and (pc is None or pc.sp_size <= 1):
         return
-    if section is None and not _built_by_trainer(plugin):
-        section = _merge(None, pc)  # DeepSpeed's switch in the user's own loop: the model returns its logits
-        section = dataclasses.replace(section, tiled_loss=dataclasses.replace(section.tiled_loss, enabled=False))
-    else:
-        section = _merge(section, pc)
+    merged = _merge(section, pc)
+    if section is None:  # DeepSpeed's switch: in the user's own loop the model returns its logits
+        merged = dataclasses.replace(merged, tiled_loss=dataclasses.replace(merged.tiled_loss, enabled=False))
+        _LOGITS_KEPT.add(accelerator)
     world = dist.get_world_size() if dist.is_initialized() else accelerator.num_processes
-    accelerator.state.parallelism_config = _parallelism_config(section, pc, world)
-    plugin.deepspeed_config[SECTION_KEY] = _changed(section.to_dict(), UlyssesConfig().to_dict())
+    accelerator.state.parallelism_config = _parallelism_config(merged, pc, world)
+    plugin.deepspeed_config[SECTION_KEY] = _changed(merged.to_dict(), UlyssesConfig().to_dict())
 
 
-def _built_by_trainer(plugin) -> bool:
-    """Whether Transformers' Trainer made this DeepSpeed plugin (from ``TrainingArguments.deepspeed``):
-    there the Trainer computes the loss (:func:`sp_compute_loss`) and nothing reads the logits, so the
-    section's defaults (the tiled loss, which returns none) serve it. In a loop of the user's own, code
-    written for DeepSpeed's SP path takes its loss from ``model(**batch).logits`` (Accelerate's ALST
-    example, DeepSpeed's tutorial), so there ``parallelism_config`` alone keeps them."""
-    module = sys.modules.get("transformers.integrations.deepspeed")
-    trainer_config = getattr(module, "HfTrainerDeepSpeedConfig", None)
-    return trainer_config is not None and isinstance(plugin.hf_ds_config, trainer_config)
+def tile_the_trainer_s_loss(accelerator) -> None:
+    """Give the section :func:`reconcile` made from ``parallelism_config`` alone its default tiled loss back,
+    for a Trainer about to train: the Trainer computes the loss (:func:`sp_compute_loss`) and nothing reads
+    the logits. Called when ``Trainer.train`` starts, before the engine is built, on the DeepSpeed config
+    the Trainer has by then (its own copy of the one reconciled)."""
+    if accelerator in _LOGITS_KEPT:
+        accelerator.state.deepspeed_plugin.deepspeed_config[SECTION_KEY].pop("tiled_loss", None)
 
 
 def _changed(values: dict, defaults: dict) -> dict:
@@ -272,6 +275,7 @@ def _train(original, trainer, *args, **kwargs):
     refuse_dropped_loss_features(trainer)
     if not _sp_on(trainer.accelerator):
         return original(trainer, *args, **kwargs)
+    tile_the_trainer_s_loss(trainer.accelerator)
     with unserved_loss_scope(type(trainer).compute_loss.__qualname__):
         return original(trainer, *args, **kwargs)
 

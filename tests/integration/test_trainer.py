@@ -41,6 +41,9 @@ def test_trainer_trains_evaluates_and_saves_like_one_process_without_sp(stage, s
         errors = tc.compare(res, reference)
         assert errors["loss"] <= 1e-5 and errors["update"] <= 1e-4, errors
         assert rel_err(torch.tensor(res["eval_loss"]), torch.tensor(reference["eval_loss"])) <= 1e-5
+        # parallelism_config alone: the section's defaults, the tiled loss (no logits) serving the Trainer's loss;
+        # the sections here turn it off (tc.ds_config)
+        assert res["logits"] == [switch != "parallelism_config"] * STEPS
     if save:
         from transformers import AutoModelForCausalLM
 

@@ -123,7 +123,8 @@ def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: st
     ``DataCollatorWithFlattening`` (position_ids restart per document), ``moe`` a tiny Mixtral training its
     router load-balancing loss (:func:`moe_model`) instead of Llama. Returns the losses ``compute_loss``
     gave, the losses the Trainer logged per step, and the final parameters. Leaves ds_ulysses installed (a
-    second Trainer in the process registers over the first; the caller uninstalls)."""
+    second Trainer in the process registers over the first; the caller uninstalls). ``logits``: per training
+    forward, whether the model returned logits (the tiled loss returns none)."""
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
@@ -148,21 +149,22 @@ def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: st
         max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500, train_sampling_strategy="sequential", deepspeed=ds_config(stage, section),
         parallelism_config=pc, seed=0, dataloader_num_workers=0, disable_tqdm=True)
-    losses = []
+    losses, logits = [], []
 
     class Recording(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
             if model.training:
                 losses.append(float(loss.detach()))
-            return loss
+                logits.append(getattr(outputs, "logits", None) is not None)
+            return (loss, outputs) if return_outputs else loss
 
     micro_batches = 2 * steps * gas * world_size // sp
     data = documents(micro * micro_batches) if packed else samples(micro_batches, prompts=prompts)
     trainer = Recording(model=model, args=args, train_dataset=data, eval_dataset=samples(4, seed=1),
                         data_collator=DataCollatorWithFlattening() if packed else None)
     trainer.train(resume_from_checkpoint=resume_from)
-    out = {"losses": losses, "logged": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+    out = {"losses": losses, "logits": logits, "logged": [h["loss"] for h in trainer.state.log_history if "loss" in h],
            "params": full_params(trainer.model_wrapped),
            "sp": getattr(trainer.accelerator.parallelism_config, "sp_size", 1)}
     if evaluate:

@@ -10,7 +10,7 @@ from accelerate.utils import DeepSpeedSequenceParallelConfig
 
 from ds_ulysses.config import UlyssesConfig
 from ds_ulysses.hf.trainer import (_changed, _merge, _parallelism_config, activate_neftune, reconcile,
-                                   skip_first_batches, sp_compute_loss)
+                                   skip_first_batches, sp_compute_loss, tile_the_trainer_s_loss)
 from ds_ulysses.sp.data import UlyssesSPDataLoaderAdapter
 from tests.support.models import tiny_config, tiny_model
 
@@ -73,31 +73,37 @@ def test_the_section_handed_to_accelerate_has_no_auto_values():
         "sequence_parallel_size": 2, "tiled_loss": {"enabled": False}, "disable_in_eval": True}
 
 
-def _reconciled(hf_ds_config, pc) -> dict:
-    """The section ``reconcile`` leaves in the DeepSpeed config of an Accelerator with this plugin config
-    and parallelism_config (4 processes, no process group)."""
+class _Accelerator:
+    """What ``reconcile`` reads of an Accelerator (given as attributes)."""
+
+
+def _reconciled(config: dict, pc) -> tuple:
+    """An Accelerator with this DeepSpeed config and parallelism_config (4 processes, no process group) after
+    ``reconcile``, and the section it left in the config."""
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+
+    hf_ds_config = HfDeepSpeedConfig(config)
     plugin = types.SimpleNamespace(hf_ds_config=hf_ds_config, deepspeed_config=hf_ds_config.config)
-    accelerator = types.SimpleNamespace(state=types.SimpleNamespace(deepspeed_plugin=plugin, parallelism_config=pc),
-                                        num_processes=4)
+    accelerator = _Accelerator()
+    accelerator.state = types.SimpleNamespace(deepspeed_plugin=plugin, parallelism_config=pc)
+    accelerator.num_processes = 4
     reconcile(accelerator)
     assert accelerator.state.parallelism_config.sp_size == 2
-    return plugin.deepspeed_config["ulysses"]
+    return accelerator, plugin.deepspeed_config["ulysses"]
 
 
 def test_parallelism_config_alone_keeps_the_logits_in_a_user_s_loop_and_tiles_the_loss_in_the_trainer():
     # the user's own loop, written for DeepSpeed's SP path, takes its loss from model(**batch).logits
-    from accelerate.utils.deepspeed import HfDeepSpeedConfig
-    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
-
-    config = {"zero_optimization": {"stage": 3}}
-    assert _reconciled(HfDeepSpeedConfig(dict(config)), _pc(2)) == {
-        "sequence_parallel_size": 2, "tiled_loss": {"enabled": False}, "disable_in_eval": True}
+    accelerator, section = _reconciled({"zero_optimization": {"stage": 3}}, _pc(2))
+    assert section == {"sequence_parallel_size": 2, "tiled_loss": {"enabled": False}, "disable_in_eval": True}
     # the Trainer computes the loss itself (nothing reads the logits): the section's defaults, tiled loss on
-    assert _reconciled(HfTrainerDeepSpeedConfig(dict(config)), _pc(2)) == {
-        "sequence_parallel_size": 2, "disable_in_eval": True}
+    tile_the_trainer_s_loss(accelerator)
+    assert section == {"sequence_parallel_size": 2, "disable_in_eval": True}
     # a section given is the user's choice in either loop
-    section = {**config, "ulysses": {"sequence_parallel_size": 2}}
-    assert _reconciled(HfDeepSpeedConfig(section), _pc(2)) == {"sequence_parallel_size": 2, "disable_in_eval": True}
+    accelerator, section = _reconciled({"ulysses": {"sequence_parallel_size": 2, "tiled_loss": {"enabled": False}}},
+                                       _pc(2))
+    tile_the_trainer_s_loss(accelerator)
+    assert section == {"sequence_parallel_size": 2, "tiled_loss": {"enabled": False}, "disable_in_eval": True}
 
 
 class _Outputs:
