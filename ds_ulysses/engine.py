@@ -142,8 +142,9 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
             check_model_servable(model.config, model)
         SHARDS.require(mesh.sp_group)
         PATCHES.on_undo(functools.partial(SHARDS.release, mesh.sp_group), "sp_inputs", owner=model)
-    loss_fn = tiled_causal_lm_loss(section.tiled_loss.shards, mesh.sp_watch) if section.tiled_loss.enabled else None
-    enable_sp_loss(model, mesh.sp_group, grad_scale, loss_fn, watch=mesh.sp_watch)
+    if section.model_loss:
+        loss_fn = tiled_causal_lm_loss(section.tiled_loss.shards, mesh.sp_watch) if section.tiled_loss.enabled else None
+        enable_sp_loss(model, mesh.sp_group, grad_scale, loss_fn, watch=mesh.sp_watch)
     if section.tiled_mlp.enabled:
         tile_mlps(model, section.tiled_mlp.shards, router_side)
     if section.activation_checkpoint_offload.enabled:

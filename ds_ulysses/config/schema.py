@@ -196,6 +196,13 @@ def _cross_field_errors(section: Mapping) -> list[tuple[JsonPath, str]]:
                 f"{_dotted(('seq_length',))}: expected a multiple of sp={sp} (each rank holds "
                 f"seq_length / sp tokens), got {length}; fix: use {' or '.join(map(str, nearest))}"
                 ", or set seq_length_is_variable to true")))
+    tiled_loss = section.get("tiled_loss")
+    tiled_loss = tiled_loss.get("enabled", True) if isinstance(tiled_loss, Mapping) else True
+    if section.get("model_loss") is False and tiled_loss is not False:
+        out.append((("model_loss",), (
+            f"{_dotted(('model_loss',))}: false leaves the loss to your code, but tiled_loss (on by default) "
+            "computes it inside the model and returns no logits; expected tiled_loss.enabled false with it; fix: "
+            "add \"tiled_loss\": {\"enabled\": false}, or drop model_loss")))
     return out
 
 

@@ -137,6 +137,9 @@ class UlyssesConfig(_Section):
     """Bypass SP in eval mode, for eval loops that feed each rank its own unsharded batch."""
     tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
     """ALST tiled MLP settings."""
+    model_loss: bool = True
+    """``model(**batch).loss`` is the sample's SP loss for a batch with ``shift_labels``; False leaves the loss
+    to the caller (logits returned, no loss: DeepSpeed's module's behaviour). Needs ``tiled_loss`` off."""
     tiled_loss: TiledLossConfig = field(default_factory=TiledLossConfig)
     """ALST tiled logits+loss settings."""
     activation_checkpoint_offload: ActivationCheckpointOffloadConfig = field(

@@ -11,8 +11,9 @@ the Trainer computes the loss with ``deepspeed_sp_compute_loss``. After :func:`d
   ``parallelism_config``, and one given with ``parallelism_config`` alone gets the equivalent section
   (:func:`reconcile`), so Accelerate's SP plumbing and :func:`ds_ulysses.initialize` (behind the patched
   ``deepspeed.initialize``) both run, from either switch; a section and a ``parallelism_config`` that
-  disagree are refused naming both values; ``parallelism_config`` alone outside the Trainer keeps the
-  model's logits (the tiled loss off), which the user's loop written for DeepSpeed takes its loss from;
+  disagree are refused naming both values; ``parallelism_config`` alone outside the Trainer gives the
+  model DeepSpeed's outputs (logits, no loss: ``model_loss`` off), which the user's loop written for
+  DeepSpeed takes its loss from;
 - the Trainer's SP loss is the model's own (:func:`sp_compute_loss`): Transformers' weights per-rank
   mean losses through a differentiable all_gather, which is exact only under ZeRO-3's reduction
   (an average over all ranks) and twice the gradient at sp 2 under ZeRO-1/2 (a sum over SP peers);
@@ -57,10 +58,10 @@ from ..sp.data import UlyssesSPDataLoaderAdapter
 from .decoder_watch import unserved_loss_scope
 from .router_loss import router_coef
 
-__all__ = ["reconcile", "tile_the_trainer_s_loss", "sp_compute_loss", "skip_first_batches", "install_accelerate",
+__all__ = ["reconcile", "serve_the_trainer_s_loss", "sp_compute_loss", "skip_first_batches", "install_accelerate",
            "step_tokens", "token_weight", "router_weight", "refuse_dropped_loss_features", "activate_neftune"]
 
-_LOGITS_KEPT: weakref.WeakSet = weakref.WeakSet()  # Accelerators reconciled from parallelism_config alone
+_DEEPSPEED_S_OUTPUTS: weakref.WeakSet = weakref.WeakSet()  # Accelerators reconciled from parallelism_config alone
 
 
 def _pc_values(pc) -> dict:
@@ -117,10 +118,12 @@ def reconcile(accelerator) -> None:
     config, read by :func:`ds_ulysses.initialize`) and ``parallelism_config`` (read by Accelerate and the
     Trainer: loader wrapping, batch arithmetic, step counts, the SP loss). No-op without either.
 
-    A section made from ``parallelism_config`` alone has the defaults but the tiled loss, which returns no
-    logits: code written for DeepSpeed's SP path in a loop of the user's own takes its loss from
-    ``model(**batch).logits`` (Accelerate's ALST example, DeepSpeed's tutorial). The Trainer, which computes
-    the loss itself, gets it back when it trains (:func:`tile_the_trainer_s_loss`)."""
+    A section made from ``parallelism_config`` alone has the defaults but ``model_loss`` and the tiled loss:
+    in a loop of the user's own, code written for DeepSpeed's SP path takes its loss from
+    ``model(**batch).logits`` and the batch's ``shift_labels`` (Accelerate's ALST example, DeepSpeed's
+    tutorial), so the model returns what DeepSpeed's module makes it return, logits and no loss, and
+    computes nothing that code does not use. The Trainer, which takes the model's loss, gets both back when
+    it trains (:func:`serve_the_trainer_s_loss`)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:
         return
@@ -129,21 +132,32 @@ def reconcile(accelerator) -> None:
     if section is None and (pc is None or pc.sp_size <= 1):
         return
     merged = _merge(section, pc)
-    if section is None:  # DeepSpeed's switch: in the user's own loop the model returns its logits
-        merged = dataclasses.replace(merged, tiled_loss=dataclasses.replace(merged.tiled_loss, enabled=False))
-        _LOGITS_KEPT.add(accelerator)
+    if section is None:  # DeepSpeed's switch: in the user's own loop the model's outputs are DeepSpeed's
+        merged = dataclasses.replace(merged, model_loss=False,
+                                     tiled_loss=dataclasses.replace(merged.tiled_loss, enabled=False))
+        _DEEPSPEED_S_OUTPUTS.add(accelerator)
     world = dist.get_world_size() if dist.is_initialized() else accelerator.num_processes
     accelerator.state.parallelism_config = _parallelism_config(merged, pc, world)
     plugin.deepspeed_config[SECTION_KEY] = _changed(merged.to_dict(), UlyssesConfig().to_dict())
 
 
-def tile_the_trainer_s_loss(accelerator) -> None:
-    """Give the section :func:`reconcile` made from ``parallelism_config`` alone its default tiled loss back,
-    for a Trainer about to train: the Trainer computes the loss (:func:`sp_compute_loss`) and nothing reads
-    the logits. Called when ``Trainer.train`` starts, before the engine is built, on the DeepSpeed config
-    the Trainer has by then (its own copy of the one reconciled)."""
-    if accelerator in _LOGITS_KEPT:
-        accelerator.state.deepspeed_plugin.deepspeed_config[SECTION_KEY].pop("tiled_loss", None)
+def serve_the_trainer_s_loss(accelerator) -> None:
+    """Before a Trainer trains (and builds its engine): its loss is the model's (:func:`sp_compute_loss`) and
+    nothing reads the logits, so a section :func:`reconcile` made from ``parallelism_config`` alone gets its
+    defaults back (``model_loss``, the tiled loss), on the DeepSpeed config the Trainer has by then (its own
+    copy of the one reconciled); a section whose ``model_loss`` is false is refused."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    section = plugin.deepspeed_config.get(SECTION_KEY) if plugin is not None else None
+    if section is None:
+        return
+    if accelerator in _DEEPSPEED_S_OUTPUTS:
+        section.pop("model_loss", None)
+        section.pop("tiled_loss", None)
+    elif section.get("model_loss") is False:
+        raise ValueError(
+            "the DeepSpeed config's \"ulysses\" section has model_loss false, but Transformers' Trainer computes its "
+            "SP loss from the model's (model(**inputs).loss); expected model_loss true (the default) under the "
+            "Trainer; fix: drop model_loss from the section")
 
 
 def _changed(values: dict, defaults: dict) -> dict:
@@ -275,7 +289,7 @@ def _train(original, trainer, *args, **kwargs):
     refuse_dropped_loss_features(trainer)
     if not _sp_on(trainer.accelerator):
         return original(trainer, *args, **kwargs)
-    tile_the_trainer_s_loss(trainer.accelerator)
+    serve_the_trainer_s_loss(trainer.accelerator)
     with unserved_loss_scope(type(trainer).compute_loss.__qualname__):
         return original(trainer, *args, **kwargs)
 

@@ -30,9 +30,10 @@ def test_deepspeed_s_accelerate_loop_runs_unchanged_after_install_and_trains_lik
     """The loop Accelerate's ALST example writes for DeepSpeed's module (DeepSpeed's switch,
     ``parallelism_config``, and the loss from ``model(**batch).logits`` weighted across the SP group through a
     differentiable all-gather), under DeepSpeed's module and after ``ds_ulysses.install()``: the same losses and
-    updates, both the unsharded model's at ZeRO-3 (where that loss is right). ``install()`` keeps the logits
-    there; with the section's default tiled loss the model returns none and the loop raised in Transformers'
-    loss (``'NoneType' object has no attribute 'float'``)."""
+    updates, both the unsharded model's at ZeRO-3 (where that loss is right). After ``install()`` the model
+    returns there what DeepSpeed's makes it return, logits and no loss (``model_loss`` off); with the section's
+    defaults it returned no logits, and the loop raised in Transformers' loss (``'NoneType' object has no
+    attribute 'float'``)."""
     reference = tc.reference(tc.samples(2 * STEPS), STEPS)
     runs = {library: run_distributed(tc.accelerate_run, 2, 3, "parallelism_config", STEPS, False, library, "example",
                                      timeout=600) for library in ("deepspeed", "ours")}
@@ -40,4 +41,5 @@ def test_deepspeed_s_accelerate_loop_runs_unchanged_after_install_and_trains_lik
         for res in results:
             errors = tc.compare(res, reference)
             assert errors["loss"] <= 1e-5 and errors["update"] <= 1e-4, (library, errors)
+            assert res["model_losses"] == [None] * STEPS, library
     assert runs["ours"][0]["losses"] == pytest.approx(runs["deepspeed"][0]["losses"], rel=1e-6)

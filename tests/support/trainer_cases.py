@@ -288,7 +288,7 @@ def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: i
     ``loss`` "model" takes ``model(**batch).loss``; "example" is the loop Accelerate's ALST example and
     DeepSpeed's tutorial write for DeepSpeed's module: the model's loss function on this rank's
     ``logits`` and ``shift_labels``, weighted across the SP group by valid-token counts through a
-    differentiable all-gather."""
+    differentiable all-gather (``model_losses``: what ``model(**batch).loss`` was beside it)."""
     from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig
@@ -315,12 +315,14 @@ def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: i
         data = [{**sample, "position_ids": torch.arange(len(sample["input_ids"]))} for sample in data]
     loader = torch.utils.data.DataLoader(data, batch_size=1)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    losses = []
+    losses, model_losses = [], []
     for _, batch in zip(range(steps), loader):
         if loss == "example":
             group, module = groups._get_sequence_parallel_group(), accelerator.unwrap_model(model)
             shift_labels = batch["shift_labels"]
-            step_loss = module.loss_function(logits=model(**batch).logits, labels=None, shift_labels=shift_labels,
+            outputs = model(**batch)
+            model_losses.append(outputs.loss)
+            step_loss = module.loss_function(logits=outputs.logits, labels=None, shift_labels=shift_labels,
                                              vocab_size=module.config.vocab_size)
             per_rank = torch.distributed.nn.functional.all_gather(step_loss, group=group)
             tokens = torch.distributed.nn.functional.all_gather((shift_labels != -100).sum(), group=group)
@@ -331,7 +333,8 @@ def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: i
         optimizer.step()
         optimizer.zero_grad()
         losses.append(step_loss.item())
-    out = {"losses": losses, "params": full_params(model), "sp": accelerator.parallelism_config.sp_size}
+    out = {"losses": losses, "params": full_params(model), "sp": accelerator.parallelism_config.sp_size,
+           "model_losses": model_losses}
     if eval_on_shards:  # a wrapped loader in eval mode, where Accelerate turned SP off: refused, not wrong
         model.eval()
         try:

@@ -10,7 +10,7 @@ from accelerate.utils import DeepSpeedSequenceParallelConfig
 
 from ds_ulysses.config import UlyssesConfig
 from ds_ulysses.hf.trainer import (_changed, _merge, _parallelism_config, activate_neftune, reconcile,
-                                   skip_first_batches, sp_compute_loss, tile_the_trainer_s_loss)
+                                   serve_the_trainer_s_loss, skip_first_batches, sp_compute_loss)
 from ds_ulysses.sp.data import UlyssesSPDataLoaderAdapter
 from tests.support.models import tiny_config, tiny_model
 
@@ -92,18 +92,26 @@ def _reconciled(config: dict, pc) -> tuple:
     return accelerator, plugin.deepspeed_config["ulysses"]
 
 
-def test_parallelism_config_alone_keeps_the_logits_in_a_user_s_loop_and_tiles_the_loss_in_the_trainer():
-    # the user's own loop, written for DeepSpeed's SP path, takes its loss from model(**batch).logits
+def test_parallelism_config_alone_gives_deepspeed_s_outputs_in_a_user_s_loop_and_our_loss_in_the_trainer():
+    # the user's own loop, written for DeepSpeed's SP path, takes its loss from model(**batch).logits: the model
+    # returns logits and no loss, as under DeepSpeed's module
     accelerator, section = _reconciled({"zero_optimization": {"stage": 3}}, _pc(2))
-    assert section == {"sequence_parallel_size": 2, "tiled_loss": {"enabled": False}, "disable_in_eval": True}
-    # the Trainer computes the loss itself (nothing reads the logits): the section's defaults, tiled loss on
-    tile_the_trainer_s_loss(accelerator)
+    assert section == {"sequence_parallel_size": 2, "model_loss": False, "tiled_loss": {"enabled": False},
+                       "disable_in_eval": True}
+    # the Trainer computes its loss from the model's (nothing reads the logits): the defaults, tiled loss on
+    serve_the_trainer_s_loss(accelerator)
     assert section == {"sequence_parallel_size": 2, "disable_in_eval": True}
     # a section given is the user's choice in either loop
     accelerator, section = _reconciled({"ulysses": {"sequence_parallel_size": 2, "tiled_loss": {"enabled": False}}},
                                        _pc(2))
-    tile_the_trainer_s_loss(accelerator)
+    serve_the_trainer_s_loss(accelerator)
     assert section == {"sequence_parallel_size": 2, "tiled_loss": {"enabled": False}, "disable_in_eval": True}
+    # but the Trainer cannot train on a model that computes no loss
+    accelerator, section = _reconciled({"ulysses": {"sequence_parallel_size": 2, "model_loss": False,
+                                                    "tiled_loss": {"enabled": False}}}, _pc(2))
+    with pytest.raises(ValueError, match="model_loss false, but Transformers' Trainer computes its SP loss from the "
+                                         "model's .* fix: drop model_loss from the section"):
+        serve_the_trainer_s_loss(accelerator)
 
 
 class _Outputs:
