@@ -36,6 +36,12 @@ bench --seq-len 64 --sp 2 4 --reps 1 --impl deepspeed --no-noise --no-warm-up --
 bench --loop trainer --seq-len 4K 8K --sp 2 --reps 3 --cycles 2
 bench --loop trainer --seq-len 16K --sp 2 --reps 3 --cycles 1
 bench --loop trainer --seq-len 8K --sp 4 --reps 3 --cycles 1
+# 5c. the same in a plain Accelerate loop: DeepSpeed's through its parallelism_config and Accelerate's ALST
+#     example's loss, ours-dropin install() in front of that code, ours the section; with our untiled loss
+#     as a variant (about 40 minutes)
+MECHANISM='mechanism={"tiled_loss": {"enabled": false}, "trim_host_heap": false}'
+bench --loop accelerate --seq-len 4K 8K --sp 2 --reps 3 --cycles 2 --variant "$MECHANISM"
+bench --loop accelerate --seq-len 16K --sp 2 --reps 3 --cycles 1 --variant "$MECHANISM"
 # 6. the attention layer alone: DeepSpeed's wrapper, its noise arm and ours interleaved (about 10 minutes)
 bench --layer-iters 8 --reps 3 --seq-len 4K 8K 16K --sp 2 4
 
