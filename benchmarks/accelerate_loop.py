@@ -7,9 +7,10 @@ optimizer, so the loop's optimizer is Accelerate's ``DummyOptim``):
 
 - ``deepspeed``: Accelerate's documented SP path, ``Accelerator(parallelism_config=ParallelismConfig(
   sp_backend="deepspeed", sp_size=sp))``: Accelerate registers DeepSpeed's ``UlyssesSPAttentionHF`` and
-  wraps the DataLoader in its ``UlyssesSPDataLoaderAdapter``; the loop takes ``model(**batch).loss`` (each
-  rank's mean over its shard) and weights the SP group's losses by their valid-token counts through a
-  differentiable all-gather, as Accelerate's guide writes it. The guide finds the SP group in
+  wraps the DataLoader in its ``UlyssesSPDataLoaderAdapter``; the loop is Accelerate's ALST example: the
+  model's loss function on each rank's logits and ``shift_labels`` (``model(**batch).loss`` is ``None``
+  there), the SP group's losses weighted by their valid-token counts through a differentiable all-gather
+  (:func:`benchmarks.rank.tutorial_loss`). Accelerate's guide finds the SP group in
   ``accelerator.torch_device_mesh``, which Accelerate 1.15 leaves ``None`` under DeepSpeed SP; the loop
   takes it from DeepSpeed's ``groups``, as Transformers' Trainer does. ds_ulysses is not imported.
 - ``ours``: ``ds_ulysses.install()`` and the ``"ulysses"`` section (with the arm's overrides, our defaults
@@ -37,20 +38,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from .rank import _aggregate, _hwm_bytes, _reset_hwm, ds_config, make_dataset, tap_library
-from .trainer import IMPLEMENTATIONS, EngineClock, finish_arm, start_arm
+from .rank import _hwm_bytes, _reset_hwm, ds_config, make_dataset, tap_library, tutorial_loss
+from .trainer import EngineClock, finish_arm, start_arm
 
-__all__ = ["IMPLEMENTATIONS", "run"]
-
-
-def _guide_loss(model, batch: dict, group) -> torch.Tensor:
-    """Accelerate's example: the model's loss function on this rank's logits and ``shift_labels``, weighted
-    across the SP group by valid-token counts."""
-    shift_labels = batch["shift_labels"]
-    module = model.module
-    loss = module.loss_function(logits=model(**batch).logits, labels=None, shift_labels=shift_labels,
-                                vocab_size=module.config.vocab_size)
-    return _aggregate(loss, shift_labels, group)
+__all__ = ["run"]
 
 
 def run(spec: dict) -> dict:
@@ -85,7 +76,7 @@ def run(spec: dict) -> dict:
         group = groups._get_sequence_parallel_group()  # as the Trainer finds it: Accelerate builds no mesh for it
 
         def loss_of(batch):
-            return _guide_loss(model, batch, group)
+            return tutorial_loss(model, batch, group, labels_in_batch=True)  # Accelerate's ALST example
     init_peak = _hwm_bytes()
     reset_ok = _reset_hwm()
     clock.take()

@@ -433,13 +433,11 @@ def _check_loop(args: argparse.Namespace) -> None:
     loop can switch on."""
     if args.loop == "engine":
         return
-    from .accelerate_loop import IMPLEMENTATIONS as ACCELERATE_ARMS
-    from .trainer import IMPLEMENTATIONS as TRAINER_ARMS
+    from .trainer import IMPLEMENTATIONS  # both loops' arms
 
-    runs = {"trainer": TRAINER_ARMS, "accelerate": ACCELERATE_ARMS}[args.loop]
-    other = [impl for impl in args.impl if impl not in runs]
+    other = [impl for impl in args.impl if impl not in IMPLEMENTATIONS]
     if other:
-        raise ValueError(f"--loop {args.loop} runs the arms {list(runs)}, got {other}; leave those out "
+        raise ValueError(f"--loop {args.loop} runs the arms {list(IMPLEMENTATIONS)}, got {other}; leave those out "
                          f"(DeepSpeed's tiled recipe has no {args.loop} switch)")
     if args.profile_reps:
         raise ValueError(f"--loop {args.loop} profiles nothing, got --profile-reps {args.profile_reps}; leave it out")

@@ -131,9 +131,11 @@ def _aggregate(loss: torch.Tensor, shift_labels: torch.Tensor, group) -> torch.T
     return total / max(sum(goods), torch.ones_like(good))
 
 
-def tutorial_loss(engine, batch: dict, group) -> torch.Tensor:
-    """DeepSpeed's tutorial loss recipe: per-rank mean loss, weighted by per-rank token counts."""
-    shift_labels = batch.pop("shift_labels")
+def tutorial_loss(engine, batch: dict, group, labels_in_batch: bool = False) -> torch.Tensor:
+    """DeepSpeed's tutorial loss recipe: per-rank mean loss, weighted by per-rank token counts. DeepSpeed's
+    tutorial takes ``shift_labels`` out of the batch the model gets; Accelerate's ALST example leaves them
+    in (``labels_in_batch``)."""
+    shift_labels = batch["shift_labels"] if labels_in_batch else batch.pop("shift_labels")
     outputs = engine(**batch)
     model = engine.module
     loss = model.loss_function(logits=outputs.logits, labels=None, shift_labels=shift_labels,

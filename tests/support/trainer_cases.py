@@ -316,9 +316,9 @@ def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: i
     loader = torch.utils.data.DataLoader(data, batch_size=1)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     losses, model_losses = [], []
+    group, module = groups._get_sequence_parallel_group(), accelerator.unwrap_model(model)
     for _, batch in zip(range(steps), loader):
         if loss == "example":
-            group, module = groups._get_sequence_parallel_group(), accelerator.unwrap_model(model)
             shift_labels = batch["shift_labels"]
             outputs = model(**batch)
             model_losses.append(outputs.loss)
