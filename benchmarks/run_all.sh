@@ -32,14 +32,17 @@ bench --max-seq 2.5G --sp 2 --impl deepspeed --variant notrim='{"trim_host_heap"
 # 5. the memory planner's anchor: DeepSpeed at S=64 (its RSS is the runtime and the model states alone)
 bench --seq-len 64 --sp 2 4 --reps 1 --impl deepspeed --no-noise --no-warm-up --profile-reps 0
 # 5b. the same arms through Transformers' Trainer: DeepSpeed's through its parallelism_config, ours through the
-#     section (and ours-dropin: install() behind that parallelism_config), with the noise arm (about 45 minutes)
+#     section (and ours-dropin: install() behind that parallelism_config), with the noise arm; then the section
+#     with our untiled loss, the mechanism (about 75 minutes)
+MECHANISM='mechanism={"tiled_loss": {"enabled": false}, "trim_host_heap": false}'
 bench --loop trainer --seq-len 4K 8K --sp 2 --reps 3 --cycles 2
 bench --loop trainer --seq-len 16K --sp 2 --reps 3 --cycles 1
 bench --loop trainer --seq-len 8K --sp 4 --reps 3 --cycles 1
+bench --loop trainer --seq-len 4K 8K --sp 2 --reps 3 --cycles 2 --impl deepspeed --variant "$MECHANISM"
+bench --loop trainer --seq-len 16K --sp 2 --reps 3 --cycles 1 --impl deepspeed --variant "$MECHANISM"
 # 5c. the same in a plain Accelerate loop: DeepSpeed's through its parallelism_config and Accelerate's ALST
 #     example's loss, ours-dropin install() in front of that code, ours the section; with our untiled loss
 #     as a variant (about 40 minutes)
-MECHANISM='mechanism={"tiled_loss": {"enabled": false}, "trim_host_heap": false}'
 bench --loop accelerate --seq-len 4K 8K --sp 2 --reps 3 --cycles 2 --variant "$MECHANISM"
 bench --loop accelerate --seq-len 16K --sp 2 --reps 3 --cycles 1 --variant "$MECHANISM"
 # 6. the attention layer alone: DeepSpeed's wrapper, its noise arm and ours interleaved (about 10 minutes)
