@@ -13,9 +13,10 @@ machine load cancel, and is reported as the median over repetitions with its spr
 (:mod:`benchmarks.report`).
 
 ``--loop trainer`` runs the same arms through Transformers' Trainer (:mod:`benchmarks.trainer`) and
-``--loop accelerate`` through a plain Accelerate loop (:mod:`benchmarks.accelerate_loop`): DeepSpeed's
-through the documented ``parallelism_config``, ours through the section; their records are kind
-``trainer`` and ``accelerate``, each reported apart from the engine loop's.
+``--loop accelerate`` through a plain Accelerate loop (:mod:`benchmarks.accelerate_loop`) and ``--loop trl``
+through TRL's SFTTrainer (:mod:`benchmarks.trl_loop`): DeepSpeed's through the documented
+``parallelism_config``, ours through the section; their records are kind ``trainer``, ``accelerate`` and
+``trl``, each reported apart from the engine loop's.
 
 Other modes: ``--layer-iters`` (the attention layer alone, :mod:`benchmarks.layer`), ``--tiled-iters``
 (TiledMLP and sequence_tiled_compute against DeepSpeed's, :mod:`benchmarks.tiled`) and
@@ -44,7 +45,7 @@ __all__ = ["add_arguments", "run_command", "main", "launch", "OverBudget", "run_
            "impl_name", "arms", "parse_bytes", "launch_time", "launch_peak", "stamp", "NOISE_ARM", "TILED_OPS"]
 
 _IMPLS = ("deepspeed", "ours-dropin", "ours", "deepspeed-alst")
-LOOPS = {"engine": "step", "trainer": "trainer", "accelerate": "accelerate"}  # --loop -> its records' kind
+LOOPS = {"engine": "step", "trainer": "trainer", "accelerate": "accelerate", "trl": "trl"}  # --loop -> records' kind
 NOISE_ARM = "deepspeed[again]"
 TILED_OPS = ("tiled_mlp", "stc_mlp", "stc_loss", "fused_loss")  # --tiled-iters' operations (benchmarks.tiled)
 
@@ -231,7 +232,8 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
     section override for an extra ``ours`` arm; the first ``profile_reps`` repetitions also profile
     one step per launch (:mod:`benchmarks.profile`). ``loop`` "trainer" trains each arm through
     Transformers' Trainer (:mod:`benchmarks.trainer`), "accelerate" through a plain Accelerate loop
-    (:mod:`benchmarks.accelerate_loop`); nothing is profiled in either.
+    (:mod:`benchmarks.accelerate_loop`), "trl" through TRL's SFTTrainer (:mod:`benchmarks.trl_loop`); nothing
+    is profiled in those.
     """
     from .report import format_group
 
@@ -315,7 +317,7 @@ def model_key(model: dict | None) -> str:
 def summarize(records: list[dict], kind: str = "step") -> dict:
     """(name, S, sp, packed, model) -> pooled medians and per-layer communication (every launch of `kind`:
     ``step`` for the engine loop, ``trainer`` for the Trainer's, ``accelerate`` for the plain
-    Accelerate loop's)."""
+    Accelerate loop's, ``trl`` for SFTTrainer's)."""
     groups: dict = {}
     for rec in (r for r in records if "error" not in r and r.get("kind", "step") == kind):
         key = (rec["name"], rec["seq_len"], rec["sp"], rec.get("packed_docs", 0), model_key(rec.get("model")))
@@ -358,7 +360,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "parallelism_config; ours: ds_ulysses.install() and the section; ours-dropin: "
                              "install() and the parallelism_config, which then takes our section defaults); "
                              "accelerate: the same three arms in a plain Accelerate loop (accelerator.prepare, "
-                             "accelerator.backward; DeepSpeed's user's loss as Accelerate's guide writes it)")
+                             "accelerator.backward; DeepSpeed's user's loss as Accelerate's guide writes it); "
+                             "trl: the Trainer's arms through TRL's SFTTrainer (SFTConfig's defaults, gradient "
+                             "checkpointing included, in fp32)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                         help="an extra 'ours' arm with this \"ulysses\" section override, e.g. "
                              "'mlp={\"tiled_mlp\": {\"enabled\": true}}' (repeatable)")
@@ -376,7 +380,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per launch")
     parser.add_argument("--profile-reps", type=int, default=None, metavar="N",
                         help="profile one extra step per launch in the first N repetitions (0: none; default 1, "
-                             "and 0 with --loop trainer or accelerate, which profile nothing)")
+                             "and 0 with --loop trainer, accelerate or trl, which profile nothing)")
     parser.add_argument("--model", action="append", default=[], metavar="KEY=INT",
                         help="model size override: vocab, hidden, intermediate, layers, heads, kv_heads")
     parser.add_argument("--out", default="benchmarks/results/runs.jsonl", help="JSON lines file to append to")
@@ -429,11 +433,11 @@ def _parse_pairs(pairs, what: str, value=json.loads) -> dict:
 
 
 def _check_loop(args: argparse.Namespace) -> None:
-    """``--loop trainer`` and ``--loop accelerate`` take the training-step suite's arms that a user of that
-    loop can switch on."""
+    """``--loop trainer``, ``accelerate`` and ``trl`` take the training-step suite's arms that a user of that
+    loop can switch on; ``trl`` trains unpacked samples."""
     if args.loop == "engine":
         return
-    from .trainer import IMPLEMENTATIONS  # both loops' arms
+    from .trainer import IMPLEMENTATIONS  # every such loop's arms
 
     other = [impl for impl in args.impl if impl not in IMPLEMENTATIONS]
     if other:
@@ -444,6 +448,9 @@ def _check_loop(args: argparse.Namespace) -> None:
     if args.max_seq or args.tiled_iters or args.layer_iters:
         raise ValueError(f"--loop {args.loop} times training steps; it does not combine with --max-seq, "
                          "--tiled-iters or --layer-iters")
+    if args.loop == "trl" and args.packed_docs:
+        raise ValueError(f"--loop trl trains TRL's samples as they come, got --packed-docs {args.packed_docs}; "
+                         "leave it out (TRL packs with its own SFTConfig(packing=True))")
 
 
 def run_command(args: argparse.Namespace) -> int:

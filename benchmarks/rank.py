@@ -387,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         from .trainer import run as run_trainer
 
         result = run_trainer(spec)
+    elif spec.get("loop") == "trl":
+        from .trl_loop import run as run_trl
+
+        result = run_trl(spec)
     elif spec.get("loop") == "accelerate":
         from .accelerate_loop import run as run_accelerate
 

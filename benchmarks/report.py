@@ -14,8 +14,8 @@ verdict is claimed only beyond the noise:
 Targets (issue 15): mechanism (``ours-dropin``) time and memory <= 1.0 at every length; product
 (``ours``, defaults) time <= 0.95 and memory <= 0.6 at S >= 16K; packed product time <= 0.7.
 
-The Trainer's and the plain Accelerate loop's launches (``--loop trainer`` and ``--loop accelerate``,
-records of kind ``trainer`` and ``accelerate``) are paired, judged and tabled the same way, each apart
+The Trainer's, the plain Accelerate loop's and TRL's SFTTrainer's launches (``--loop trainer``,
+``accelerate`` and ``trl``, records of those kinds) are paired, judged and tabled the same way, each apart
 from the engine loop's (the ``kind`` arguments).
 """
 
@@ -59,7 +59,8 @@ def ulysses_min_bytes(model: dict, seq_len: int, sp: int, itemsize: int = 4) -> 
 
 # -- ratios, noise, verdicts ------------------------------------------------------------------------
 LOOP_TITLES = {"trainer": "Through Transformers' Trainer (`--loop trainer`)",
-               "accelerate": "In a plain Accelerate loop (`--loop accelerate`)"}
+               "accelerate": "In a plain Accelerate loop (`--loop accelerate`)",
+               "trl": "Through TRL's SFTTrainer (`--loop trl`)"}
 
 
 def _config(rec: dict) -> tuple:
@@ -69,7 +70,7 @@ def _config(rec: dict) -> tuple:
 def paired_launches(records: list[dict], kind: str = "step") -> dict:
     """(name, S, sp, packed, model) -> [(launch, deepspeed launch)], one per repetition: each launch with
     the ``deepspeed`` launch of the same run and repetition, among the launches of `kind` (``step``: the
-    engine loop; ``trainer``: the Trainer's; ``accelerate``: the plain Accelerate loop's)."""
+    engine loop; ``trainer``: the Trainer's; ``accelerate``: the plain Accelerate loop's; ``trl``: SFTTrainer's)."""
     runs = [r for r in records if "error" not in r and r.get("kind", "step") == kind and "rep" in r]
     base = {(r.get("run"), r["rep"], *_config(r)): r for r in runs if r["name"] == "deepspeed"}
     out: dict = {}

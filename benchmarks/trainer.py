@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .rank import MODEL_DEFAULTS, _hwm_bytes, _reset_hwm, build_model, make_dataset, tap_library
 from .tap import CollectiveTap
 
-__all__ = ["IMPLEMENTATIONS", "EngineClock", "start_arm", "finish_arm", "trainer_ds_config", "run"]
+__all__ = ["IMPLEMENTATIONS", "EngineClock", "start_arm", "finish_arm", "trainer_ds_config", "run", "train"]
 
 IMPLEMENTATIONS = ("deepspeed", "ours-dropin", "ours")
 LR = 1e-4
@@ -139,17 +139,30 @@ def finish_arm(tap, loop: str, measured: dict) -> dict:
 def run(spec: dict) -> dict:
     """Train ``warmup + steps`` steps of the Trainer with one arm; return this rank's measurements in
     :func:`benchmarks.rank.run`'s shape."""
+    from transformers import Trainer, TrainingArguments
+
+    def build(args, model, data, callbacks, recording):
+        return recording(Trainer)(model=model, args=TrainingArguments(**args), train_dataset=data, callbacks=callbacks)
+
+    return train(spec, "trainer", build)
+
+
+def train(spec: dict, loop: str, build) -> dict:
+    """One arm through a Trainer: ``build(args, model, data, callbacks, recording)`` returns the Trainer
+    (``recording(cls)``: ``cls`` with its loss recorded) from ``args``, the keyword arguments of its
+    ``TrainingArguments``; its training's steps are measured and returned in :func:`benchmarks.rank.run`'s
+    shape."""
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback
 
-    impl, sp, tap, model_spec, model = start_arm(spec, "trainer")
+    impl, sp, tap, model_spec, model = start_arm(spec, loop)
     total = spec["warmup"] + spec["steps"]
     section = spec.get("section", {}) if impl == "ours" else None
     pc = None if impl == "ours" else ParallelismConfig(
         sp_backend="deepspeed", sp_size=sp, sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
-    out_dir = tempfile.TemporaryDirectory(prefix="ds_ulysses_trainer_bench-")  # the Trainer's, left empty
-    args = TrainingArguments(
+    out_dir = tempfile.TemporaryDirectory(prefix=f"ds_ulysses_{loop}_bench-")  # the Trainer's, left empty
+    args = dict(
         output_dir=out_dir.name, per_device_train_batch_size=1, gradient_accumulation_steps=1, max_steps=total,
         learning_rate=LR, lr_scheduler_type="constant", logging_steps=1 << 30, report_to=[], save_strategy="no",
         deepspeed=trainer_ds_config(sp, section), parallelism_config=pc, seed=0, dataloader_num_workers=0,
@@ -180,13 +193,16 @@ def run(spec: dict) -> dict:
                 seen["refill"] = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
                 tap.reset()
 
-    class Recording(Trainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            losses.append(float((loss[0] if return_outputs else loss).detach()))
-            return loss
+    def recording(cls):
+        class Recording(cls):
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+                losses.append(float((loss[0] if return_outputs else loss).detach()))
+                return loss
 
-    trainer = Recording(model=model, args=args, train_dataset=data, callbacks=[Measure()])
+        return Recording
+
+    trainer = build(args, model, data, [Measure()], recording)
     trainer.train()
     clock.uninstall()
     out_dir.cleanup()
@@ -195,7 +211,7 @@ def run(spec: dict) -> dict:
     split = [[t - sum(p), *p] for t, p in zip(times, phases)]
     refill = seen.get("refill", (tap.tallies["refill"].as_dict(), tap.counts["refill"]))
     steps_peak = _hwm_bytes()
-    return finish_arm(tap, "trainer", {
+    return finish_arm(tap, loop, {
         "times": times[measured], "phases": split[measured], "losses": losses, "step_peaks": seen["step_peaks"],
         "init_peak": seen["init_peak"], "steps_peak": steps_peak if seen["reset"] else None,
         "peak": max(seen["init_peak"], steps_peak), "refill": refill[0], "refills": refill[1]})

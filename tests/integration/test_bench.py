@@ -56,13 +56,15 @@ def test_tiny_side_by_side_run_writes_the_tables(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loop,title", [("trainer", "Through Transformers' Trainer"),
-                                        ("accelerate", "In a plain Accelerate loop")])
-def test_the_trainer_and_accelerate_loops_run_each_arm_through_them(tmp_path, capsys, loop, title):
-    """`--loop trainer` and `--loop accelerate`: DeepSpeed's arm through the documented parallelism_config without
-    ds_ulysses loaded, ours through install() and the section, ours-dropin through install() and the same
-    parallelism_config (in the Accelerate loop with DeepSpeed's user's loss from the logits, which it keeps); the
-    same model and samples give the same loss at every step, each arm's attention layers run (and are counted),
-    and each loop's records are reported apart from the engine loop's."""
+                                        ("accelerate", "In a plain Accelerate loop"),
+                                        ("trl", "Through TRL's SFTTrainer")])
+def test_the_trainer_accelerate_and_trl_loops_run_each_arm_through_them(tmp_path, capsys, loop, title):
+    """`--loop trainer`, `accelerate` and `trl`: DeepSpeed's arm through the documented parallelism_config
+    without ds_ulysses loaded, ours through install() and the section, ours-dropin through install() and the
+    same parallelism_config (in the Accelerate loop with DeepSpeed's user's loss from the logits, which it
+    keeps; in TRL's SFTTrainer with its fused LM head); the same model and samples give the same loss at every
+    step, each arm's attention layers run (and are counted), and each loop's records are reported apart from
+    the engine loop's."""
     out, report_dir = tmp_path / "runs.jsonl", tmp_path / "report"
     assert cli.main(["bench", "--loop", loop, "--seq-len", "64", "--sp", "2", "--reps", "1", "--steps", "2",
                      "--warmup", "0", "--no-warm-up", "--no-noise", "--impl", "deepspeed", "ours-dropin", "ours",
@@ -149,6 +151,8 @@ def test_sizes_and_bad_arguments(capsys):
     assert "does not combine with --max-seq" in capsys.readouterr().err
     assert cli.main(["bench", "--loop", "accelerate", "--impl", "deepspeed-alst"]) == 2
     assert "--loop accelerate runs the arms" in capsys.readouterr().err
+    assert cli.main(["bench", "--loop", "trl", "--packed-docs", "4"]) == 2
+    assert "--loop trl trains TRL's samples as they come, got --packed-docs 4" in capsys.readouterr().err
 
 
 def test_a_launch_counts_its_fastest_refill_cycle_of_the_slowest_ranks_steps():
