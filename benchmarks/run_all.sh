@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces benchmarks/results/ (results.md, *.png, runs.jsonl): about 6 hours on 2 CPU cores (sp 4 runs 4 processes on them).
+# Reproduces benchmarks/results/ (results.md, *.png, runs.jsonl): about 7 hours on 2 CPU cores (sp 4 runs 4 processes on them).
 # Every `bench` call appends its launches to runs.jsonl; the last call rebuilds the report from all of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +45,10 @@ bench --loop trainer --seq-len 16K --sp 2 --reps 3 --cycles 1 --impl deepspeed -
 #     as a variant (about 40 minutes)
 bench --loop accelerate --seq-len 4K 8K --sp 2 --reps 3 --cycles 2 --variant "$MECHANISM"
 bench --loop accelerate --seq-len 16K --sp 2 --reps 3 --cycles 1 --variant "$MECHANISM"
+# 5d. the Trainer's arms through TRL's SFTTrainer (SFTConfig's defaults, gradient checkpointing included, in fp32;
+#     about 50 minutes)
+bench --loop trl --seq-len 4K --sp 2 --reps 3 --cycles 2
+bench --loop trl --seq-len 16K --sp 2 --reps 3 --cycles 1
 # 6. the attention layer alone: DeepSpeed's wrapper, its noise arm and ours interleaved (about 10 minutes)
 bench --layer-iters 8 --reps 3 --seq-len 4K 8K 16K --sp 2 4
 
