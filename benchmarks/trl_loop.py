@@ -4,8 +4,8 @@ The arms of :mod:`benchmarks.trainer`, reached the way a TRL user reaches them: 
 ``TrainingArguments`` (DeepSpeed's arm with TRL's documented ``parallelism_config``, ours with
 ``ds_ulysses.install()`` and the section or with ``install()`` and that same ``parallelism_config``), the
 same model, samples, ZeRO-3 + CPU offload config and step measurement. The samples are pre-tokenized
-(TRL keeps them as they are); the Trainer's loss is TRL's: its fused LM head's token mean, which
-computes no logits.
+(TRL keeps them as they are); the Trainer's loss is TRL's: its fused LM head's token mean, computed tile
+by tile without the whole logits.
 
 ``SFTConfig``'s defaults stand where a TRL user leaves them, gradient checkpointing (on) included, except
 ``bf16`` (off: fp32, as in every other loop here) and the two a user of SP sets: ``max_length`` the
