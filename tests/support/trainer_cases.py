@@ -347,13 +347,11 @@ def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: i
 
 
 def word_tokenizer():
-    """A tokenizer over the tiny vocabulary (one word per id, built here: nothing is downloaded)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """A tokenizer over the tiny vocabulary (one word per id, built here: nothing is downloaded): the TRL
+    benchmark's, at :data:`VOCAB` words."""
+    from benchmarks.trl_loop import word_tokenizer as words
 
-    core = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="t0", unk_token="t1", eos_token="t2")
+    return words(VOCAB)
 
 
 def completions(n: int, seed: int = 0) -> list[dict]:
