@@ -111,9 +111,11 @@ def tiled_compute_loss(library):
 def _engine(model, stage, gas=1, **zero):
     import deepspeed
 
+    # torch's Adam: DeepSpeed's default on CPU is its FusedAdam op, JIT-built on first use (a minute or more
+    # here) inside this test's timeout, which the session-start build (conftest) exists to avoid
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
               "zero_optimization": {"stage": stage, **zero},
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(config=config, model=model, model_parameters=model.parameters())
     return engine
 
