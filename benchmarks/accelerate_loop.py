@@ -26,7 +26,9 @@ optimizer, so the loop's optimizer is Accelerate's ``DummyOptim``):
 A step is one turn of the loop, after a barrier: the next batch (the adapter), the forward with the loss,
 ``accelerator.backward`` (which runs DeepSpeed's ``backward`` and ``step``), ``optimizer.step`` and
 ``optimizer.zero_grad``. ``phases`` split it as :mod:`benchmarks.trainer` does, around the engine's own
-methods. Memory is the RSS high-water mark, reset after ``prepare`` (the engine is built by then).
+methods. Memory is the RSS high-water mark, reset after ``prepare`` (the engine is built by then). With
+``spec["profile"]`` one more step runs after the measured ones (and after their peak is read) under
+``torch.profiler`` (:class:`benchmarks.trainer.StepProfile`; ``bench.forward`` is the loop's loss computation).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 from .rank import _hwm_bytes, _reset_hwm, ds_config, make_dataset, tap_library, tutorial_loss
-from .trainer import EngineClock, finish_arm, start_arm
+from .trainer import EngineClock, StepProfile, finish_arm, start_arm, tap_counts
 
 __all__ = ["run"]
 
@@ -59,7 +62,8 @@ def run(spec: dict) -> dict:
         sp_backend="deepspeed", sp_size=sp, sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), parallelism_config=pc)
     total = spec["warmup"] + spec["steps"]
-    refills = math.ceil(total / sp) + 1
+    profiler = StepProfile(model, deepspeed=impl == "deepspeed") if spec.get("profile") else None
+    refills = math.ceil((total + (profiler is not None)) / sp) + 1
     data = make_dataset(int(os.environ["WORLD_SIZE"]) * refills, spec["seq_len"], model_spec["vocab"],
                         spec.get("packed_docs", 0))
     clock = EngineClock(tap)
@@ -81,6 +85,15 @@ def run(spec: dict) -> dict:
     reset_ok = _reset_hwm()
     clock.take()
     batches = iter(loader)
+
+    def step():
+        with record_function("bench.forward"):
+            loss = loss_of(next(batches))
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
     times, phases, losses, step_peaks = [], [], [], []
     refill = ({}, 0)
     for i in range(total):
@@ -90,10 +103,7 @@ def run(spec: dict) -> dict:
         dist.barrier()
         begin = time.perf_counter()
         tap.phase = "load"
-        loss = loss_of(next(batches))
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        loss = step()
         seconds = time.perf_counter() - begin
         split = clock.take()
         losses.append(float(loss.detach()))
@@ -104,8 +114,14 @@ def run(spec: dict) -> dict:
     if spec["warmup"] == 0:
         refill = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
     steps_peak = _hwm_bytes()
+    profile, counted = {}, tap_counts(tap)
+    if profiler is not None:
+        dist.barrier()
+        profiler.start()
+        step()
+        profile["profile"] = profiler.stop()
     clock.uninstall()
     return finish_arm(tap, "accelerate", {
         "times": times, "phases": phases, "losses": losses, "step_peaks": step_peaks, "init_peak": init_peak,
         "steps_peak": steps_peak if reset_ok else None, "peak": max(init_peak, steps_peak), "refill": refill[0],
-        "refills": refill[1]})
+        "refills": refill[1], **profile}, counted)

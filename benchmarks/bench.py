@@ -232,8 +232,7 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
     section override for an extra ``ours`` arm; the first ``profile_reps`` repetitions also profile
     one step per launch (:mod:`benchmarks.profile`). ``loop`` "trainer" trains each arm through
     Transformers' Trainer (:mod:`benchmarks.trainer`), "accelerate" through a plain Accelerate loop
-    (:mod:`benchmarks.accelerate_loop`), "trl" through TRL's SFTTrainer (:mod:`benchmarks.trl_loop`); nothing
-    is profiled in those.
+    (:mod:`benchmarks.accelerate_loop`), "trl" through TRL's SFTTrainer (:mod:`benchmarks.trl_loop`).
     """
     from .report import format_group
 
@@ -245,7 +244,7 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
     def spec_of(impl, seq_len, sp, section, profile):
         return {"impl": impl, "loop": loop, "seq_len": seq_len, "sp": sp, "steps": steps or cycles * sp,
                 "warmup": warmup, "packed_docs": packed_docs, "model": model or {}, "section": section,
-                "profile": profile and loop == "engine"}
+                "profile": profile}
 
     if warm_up:
         name, impl, _, section = entries[0]
@@ -378,9 +377,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                               "launch; the launch's time is the fastest cycle's")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per launch (overrides --cycles)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per launch")
-    parser.add_argument("--profile-reps", type=int, default=None, metavar="N",
-                        help="profile one extra step per launch in the first N repetitions (0: none; default 1, "
-                             "and 0 with --loop trainer, accelerate or trl, which profile nothing)")
+    parser.add_argument("--profile-reps", type=int, default=1, metavar="N",
+                        help="profile one extra step per launch in the first N repetitions (0: none; default 1)")
     parser.add_argument("--model", action="append", default=[], metavar="KEY=INT",
                         help="model size override: vocab, hidden, intermediate, layers, heads, kv_heads")
     parser.add_argument("--out", default="benchmarks/results/runs.jsonl", help="JSON lines file to append to")
@@ -443,8 +441,6 @@ def _check_loop(args: argparse.Namespace) -> None:
     if other:
         raise ValueError(f"--loop {args.loop} runs the arms {list(IMPLEMENTATIONS)}, got {other}; leave those out "
                          f"(DeepSpeed's tiled recipe has no {args.loop} switch)")
-    if args.profile_reps:
-        raise ValueError(f"--loop {args.loop} profiles nothing, got --profile-reps {args.profile_reps}; leave it out")
     if args.max_seq or args.tiled_iters or args.layer_iters:
         raise ValueError(f"--loop {args.loop} times training steps; it does not combine with --max-seq, "
                          "--tiled-iters or --layer-iters")
@@ -494,9 +490,8 @@ def run_command(args: argparse.Namespace) -> int:
 
         print(format_layer(run_layer_suite(seq_lens, args.sp, args.layer_iters, out, args.timeout, reps=args.reps)))
     else:
-        profile_reps = args.profile_reps if args.profile_reps is not None else int(args.loop == "engine")
         records = run_suite(seq_lens, args.sp, args.impl, args.reps, args.steps, args.warmup, out,
-                            args.packed_docs, model, variants, args.timeout, args.noise, profile_reps,
+                            args.packed_docs, model, variants, args.timeout, args.noise, args.profile_reps,
                             args.cycles, args.warm_up, loop=args.loop)
         print(format_run(records, LOOPS[args.loop]))
     if args.report:

@@ -5,7 +5,8 @@ around the same places in both implementations (wrapping classes and modules fro
 :mod:`benchmarks.tap` does for collectives; nothing is added to either library):
 
 - ``bench.adapter``: ``next(loader)`` (the data adapter's micro-batch, a refill every sp steps);
-- ``bench.forward`` / ``bench.backward`` / ``bench.step``: the user loop's three calls;
+- ``bench.forward`` / ``bench.backward`` / ``bench.step``: the user loop's three calls (in the Trainer's
+  loops: its ``compute_loss`` and the engine's ``backward`` and ``step``, :mod:`benchmarks.trainer`);
 - ``bench.decoder``: the decoder (embedding, layers, final norm); what ``bench.forward`` spends
   outside it is the head and the loss (lm_head, logits transform, cross-entropy, the SP aggregation);
 - ``bench.ulysses``: the SP attention wrapper of a layer; inside it ``bench.core``, the core attention
@@ -18,6 +19,9 @@ Backward work is attributed to the forward region that created it: the profiler 
 node the sequence number of the forward op that recorded it, so the backward of the attention
 kernel, of the all-to-alls and of the loss are told apart from the rest of the layers. Backward time
 no node accounts for (gradient accumulation, ZeRO's hooks and reduce-scatters) is ``backward, ZeRO``.
+A checkpointed layer's forward, run again in the backward, is the time of the backward node that ran it
+(mostly ``other layers``), not a second forward: the forward phases count their regions outside
+``bench.backward`` only (before 2026-11-28 21:30 they counted the recomputation's attention regions too).
 """
 
 from __future__ import annotations
@@ -84,6 +88,12 @@ class Regions:
             self._set(cls, positions_method, _region("bench.positions", getattr(cls, positions_method)))
         return self
 
+    def adapter(self, cls) -> "Regions":
+        """The data adapter class's ``__next__`` as ``bench.adapter``, for a loop that fetches its batches itself
+        (the Trainer's); the engine loop puts the region around its own ``next(loader)`` instead."""
+        self._set(cls, "__next__", _region("bench.adapter", cls.__next__))
+        return self
+
     def module(self, module: torch.nn.Module, name: str) -> "Regions":
         """A call of ``module`` as ``name``, its forward hooks included (the region opens in a pre-hook that
         runs before every other, ZeRO's parameter fetch and ds_ulysses' input checks among them, and
@@ -105,6 +115,10 @@ class Regions:
     def uninstall(self) -> None:
         while self._undo:
             self._undo.pop()()
+
+
+# regions of the forward pass that a checkpointed layer runs again inside the backward
+_FORWARD_REGIONS = ("bench.decoder", "bench.ulysses", "bench.core", "bench.positions")
 
 
 def _is_backward_node(event) -> bool:
@@ -133,8 +147,11 @@ def phases_of(events) -> dict:
         seconds = event.time_range.elapsed_us() / 1e6
         chain = enclosing(event)
         if event.name.startswith("bench."):
+            if event.name in _FORWARD_REGIONS and "bench.backward" in chain:
+                continue  # a checkpointed layer's recomputation: its backward node's time holds it
             totals[event.name] = totals.get(event.name, 0.0) + seconds
-            if event.name == "bench.coll.all_gather" and "bench.ulysses" in chain and "bench.positions" not in chain:
+            if (event.name == "bench.coll.all_gather" and "bench.ulysses" in chain and "bench.positions" not in chain
+                    and "bench.backward" not in chain):
                 totals["positions_gather"] = totals.get("positions_gather", 0.0) + seconds  # DeepSpeed's per layer
             if event.name == "bench.coll.all_to_all_single" and "bench.adapter" not in chain:
                 totals["a2a_collective"] = totals.get("a2a_collective", 0.0) + seconds

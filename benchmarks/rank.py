@@ -43,7 +43,7 @@ import torch.distributed as dist
 from .tap import CollectiveTap
 
 __all__ = ["IMPLEMENTATIONS", "MODEL_DEFAULTS", "ds_config", "make_dataset", "build_model", "tutorial_loss",
-           "tap_library", "main"]
+           "library_classes", "tap_library", "main"]
 
 IMPLEMENTATIONS = ("deepspeed", "ours-dropin", "ours", "deepspeed-alst")
 MODEL_DEFAULTS = {"vocab": 32000, "hidden": 256, "intermediate": 688, "layers": 4, "heads": 8, "kv_heads": 2}
@@ -195,18 +195,23 @@ def _tile_mlps_deepspeed(model, group) -> None:
             module.forward = functools.partial(tiled_forward, module)
 
 
+def library_classes(deepspeed: bool) -> tuple:
+    """One library's SP attention class, data adapter class and the attention's position-gather method (ours
+    only): DeepSpeed's module, or ours."""
+    if deepspeed:
+        from deepspeed.runtime.sequence_parallel import ulysses_sp
+
+        return ulysses_sp.UlyssesSPAttentionHF, ulysses_sp.UlyssesSPDataLoaderAdapter, None
+    from ds_ulysses.sp import attention as ours, data as data_mod
+
+    return ours.UlyssesAttention, data_mod.UlyssesSPDataLoaderAdapter, "_gather_positions"
+
+
 def tap_library(tap, deepspeed: bool) -> tuple:
     """Has ``tap`` count the collectives of one library's attention layer (per phase) and adapter refills:
     DeepSpeed's module, or ours. Returns that attention class and its position-gather method (ours only),
     as :meth:`benchmarks.profile.Regions.attention` takes them."""
-    if deepspeed:
-        from deepspeed.runtime.sequence_parallel import ulysses_sp
-
-        attention, adapter, positions = ulysses_sp.UlyssesSPAttentionHF, ulysses_sp.UlyssesSPDataLoaderAdapter, None
-    else:
-        from ds_ulysses.sp import attention as ours, data as data_mod
-
-        attention, adapter, positions = ours.UlyssesAttention, data_mod.UlyssesSPDataLoaderAdapter, "_gather_positions"
+    attention, adapter, positions = library_classes(deepspeed)
     tap.wrap_method(attention, "forward", lambda _: f"attn_{tap_phase(tap)}")
     tap.wrap_method(adapter, "refill", lambda _: "refill")
     return attention, positions

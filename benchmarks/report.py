@@ -216,14 +216,15 @@ def _profile_cells(p: dict) -> list[str]:
     return cells
 
 
-def format_profile(records: list[dict]) -> str:
+def format_profile(records: list[dict], kind: str = "step") -> str:
     """Seconds per step and phase of the profiled step (mean over ranks and the run's profiled launches)
     beside the measured step of those launches, one row per arm and run, and per (S, sp, run) the
-    difference ours-dropin - deepspeed: what the mechanism spends that DeepSpeed does not. Arms are only
-    set side by side within a run: between runs the machine moves identical work by a third."""
+    difference ours-dropin - deepspeed: what switching the import costs or saves (in the engine loop, the
+    mechanism's difference). Arms are only set side by side within a run: between runs the machine moves
+    identical work by a third. ``kind`` picks the loop, as :func:`paired_launches` does."""
     groups: dict = {}
     for rec in records:
-        if "error" in rec or rec.get("kind", "step") != "step":
+        if "error" in rec or rec.get("kind", "step") != kind:
             continue
         profiles = [r["profile"] for r in rec["ranks"] if "profile" in r]
         if profiles:
@@ -265,19 +266,24 @@ def format_noise(records: list[dict], kind: str = "step") -> str:
                    "memory ratios", "memory noise"], rows)
 
 
+def _profiled(records: list[dict], kind: str) -> bool:
+    return any(rec.get("kind", "step") == kind and any("profile" in r for r in rec.get("ranks", ()))
+               for rec in records if "error" not in rec)
+
+
 def format_group(records: list[dict], kind: str = "step") -> str:
-    """What ``bench`` prints after each (S, sp): the ratios and the profile of those launches."""
-    if kind != "step":
+    """What ``bench`` prints after each (S, sp): the ratios and the profile of those launches (if profiled)."""
+    if not _profiled(records, kind):
         return "\n" + format_ratios(records, kind) + "\n"
-    return "\n" + format_ratios(records) + "\n\n" + format_profile(records) + "\n"
+    return "\n" + format_ratios(records, kind) + "\n\n" + format_profile(records, kind) + "\n"
 
 
 def format_run(records: list[dict], kind: str = "step") -> str:
-    """What ``bench`` prints at the end: noise, ratios, profile (engine loop only), every measurement."""
+    """What ``bench`` prints at the end: noise, ratios, profile (if profiled), every measurement."""
     sections = ["## Noise (DeepSpeed against itself)", format_noise(records, kind), "## Ratios",
                 format_ratios(records, kind)]
-    if kind == "step":
-        sections += ["## Seconds per phase (one profiled step)", format_profile(records)]
+    if _profiled(records, kind):
+        sections += ["## Seconds per phase (one profiled step)", format_profile(records, kind)]
     return "\n\n".join(sections + ["## Every measurement", format_summary(summarize(records, kind))])
 
 
@@ -443,6 +449,9 @@ def write_report(records: list[dict], out_dir: Path) -> list[Path]:
         if any(r.get("kind") == kind for r in ok):
             sections += [f"## {title}: noise, ratios arm / DeepSpeed's parallelism_config path",
                          format_noise(ok, kind), format_ratios(ok, kind), format_summary(summarize(ok, kind))]
+            if _profiled(ok, kind):
+                sections += ["Seconds per phase (one profiled step per launch of the first repetition; the "
+                             "forward phases hold the loop's whole loss computation):", format_profile(ok, kind)]
     if any(r.get("kind") == "layer" for r in ok):
         sections += ["## The attention layer alone (DeepSpeed's wrapper, its noise arm and ours interleaved per "
                      "iteration)", format_layer(ok)]

@@ -20,11 +20,15 @@ fetching the batch (the adapter), the step's token count, forward, backward, the
 Trainer's bookkeeping. ``phases`` split it as :mod:`benchmarks.rank` does: the engine's ``forward``,
 ``backward`` and ``step`` as timed around DeepSpeed's own methods, and the rest (the adapter and the
 Trainer) first. Memory is the RSS high-water mark, reset when training begins (the engine is built by
-then), as :mod:`benchmarks.rank` resets it after its setup.
+then), as :mod:`benchmarks.rank` resets it after its setup. With ``spec["profile"]`` one more step runs
+after the measured ones (and after their peak is read) under ``torch.profiler`` with the regions of
+:mod:`benchmarks.profile` (:class:`StepProfile`): ``bench.forward`` is the Trainer's ``compute_loss``
+(forward, head and the Trainer's SP loss), ``bench.adapter`` the data adapter's ``__next__``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -33,11 +37,14 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
-from .rank import MODEL_DEFAULTS, _hwm_bytes, _reset_hwm, build_model, make_dataset, tap_library
+from .profile import Regions, phase_seconds
+from .rank import MODEL_DEFAULTS, _hwm_bytes, _reset_hwm, build_model, library_classes, make_dataset, tap_library
 from .tap import CollectiveTap
 
-__all__ = ["IMPLEMENTATIONS", "EngineClock", "start_arm", "finish_arm", "trainer_ds_config", "run", "train"]
+__all__ = ["IMPLEMENTATIONS", "EngineClock", "StepProfile", "start_arm", "tap_counts", "finish_arm",
+           "trainer_ds_config", "run", "train"]
 
 IMPLEMENTATIONS = ("deepspeed", "ours-dropin", "ours")
 LR = 1e-4
@@ -62,9 +69,12 @@ def trainer_ds_config(sp: int, section: dict | None) -> dict:
 
 class EngineClock:
     """Seconds spent in DeepSpeed's engine ``forward``, ``backward`` and ``step`` since the last
-    :meth:`take`, timed around the class's methods (both arms train through a ``DeepSpeedEngine``)."""
+    :meth:`take`, timed around the class's methods (both arms train through a ``DeepSpeedEngine``);
+    ``backward`` and ``step`` are also the profiler's ``bench.backward`` and ``bench.step`` regions (the
+    loop puts ``bench.forward`` around its whole loss computation, the engine's forward within it)."""
 
     PHASES = ("forward", "backward", "step")
+    REGIONS = {"backward": "bench.backward", "step": "bench.step"}
 
     def __init__(self, tap):
         from deepspeed.runtime.engine import DeepSpeedEngine
@@ -75,14 +85,17 @@ class EngineClock:
             setattr(DeepSpeedEngine, name, self._timed(name, original, tap))
 
     def _timed(self, name, original, tap):
+        region = self.REGIONS.get(name)
+
         def timed(engine, *args, **kwargs):
             tap.phase = name
             begin = time.perf_counter()
             try:
-                if name == "backward":
-                    with tap.scope("backward"):
-                        return original(engine, *args, **kwargs)
-                return original(engine, *args, **kwargs)
+                with record_function(region) if region else contextlib.nullcontext():
+                    if name == "backward":
+                        with tap.scope("backward"):
+                            return original(engine, *args, **kwargs)
+                    return original(engine, *args, **kwargs)
             finally:
                 self.seconds[name] += time.perf_counter() - begin
                 tap.phase = "load"
@@ -99,6 +112,34 @@ class EngineClock:
 
         for name, original in self._originals.items():
             setattr(DeepSpeedEngine, name, original)
+
+
+class StepProfile:
+    """One step of a loop the benchmark does not drive itself, under ``torch.profiler`` with the regions of
+    :mod:`benchmarks.profile` on ``model`` (the model as built, its decoder ``model.model``) and on one
+    library's attention and adapter classes: :meth:`start` installs them and begins, :meth:`stop` ends and
+    returns :func:`benchmarks.profile.phases_of` of the step, the regions removed."""
+
+    def __init__(self, model: torch.nn.Module, deepspeed: bool):
+        self.model, self.deepspeed = model, deepspeed
+        self.regions, self.seconds, self._profiling = Regions(), {}, None
+
+    @property
+    def running(self) -> bool:
+        return self._profiling is not None
+
+    def start(self) -> None:
+        attention, adapter, positions = library_classes(self.deepspeed)
+        self.regions.attention(attention, positions).adapter(adapter).module(self.model.model, "bench.decoder")
+        self.regions.collectives()
+        self._profiling = phase_seconds(self.seconds)
+        self._profiling.__enter__()
+
+    def stop(self) -> dict:
+        self._profiling.__exit__(None, None, None)
+        self._profiling = None
+        self.regions.uninstall()
+        return self.seconds
 
 
 def start_arm(spec: dict, loop: str):
@@ -122,14 +163,19 @@ def start_arm(spec: dict, loop: str):
     return impl, sp, tap, model_spec, build_model(model_spec).train()
 
 
-def finish_arm(tap, loop: str, measured: dict) -> dict:
+def tap_counts(tap) -> dict:
+    """The tap's tallies of the attention layers' and the backward's collectives, as a result carries them."""
+    return {"attn_forward": tap.tallies["attn_forward"].as_dict(), "attn_forward_calls": tap.counts["attn_forward"],
+            "attn_backward": tap.tallies["attn_backward"].as_dict(), "backward": tap.tallies["backward"].as_dict()}
+
+
+def finish_arm(tap, loop: str, measured: dict, counted: dict | None = None) -> dict:
     """This rank's result in :func:`benchmarks.rank.run`'s shape (``measured``: times, phases, losses and
-    peaks), with the tap's tallies and whether ds_ulysses was loaded; then the process group ends."""
+    peaks), with the tap's tallies (``counted``, taken before a profiled step, or the tap's now) and whether
+    ds_ulysses was loaded; then the process group ends."""
     result = {
         "rank": dist.get_rank(), "world": dist.get_world_size(), "loop": loop, **measured,
-        "attn_forward": tap.tallies["attn_forward"].as_dict(), "attn_forward_calls": tap.counts["attn_forward"],
-        "attn_backward": tap.tallies["attn_backward"].as_dict(), "backward": tap.tallies["backward"].as_dict(),
-        "ds_ulysses_loaded": "ds_ulysses" in sys.modules,
+        **(tap_counts(tap) if counted is None else counted), "ds_ulysses_loaded": "ds_ulysses" in sys.modules,
     }
     dist.barrier()
     dist.destroy_process_group()
@@ -150,30 +196,34 @@ def run(spec: dict) -> dict:
 def train(spec: dict, loop: str, build) -> dict:
     """One arm through a Trainer: ``build(args, model, data, callbacks, recording)`` returns the Trainer
     (``recording(cls)``: ``cls`` with its loss recorded) from ``args``, the keyword arguments of its
-    ``TrainingArguments``; its training's steps are measured and returned in :func:`benchmarks.rank.run`'s
-    shape."""
+    ``TrainingArguments``; its training's steps are measured (and one more profiled, with ``spec["profile"]``)
+    and returned in :func:`benchmarks.rank.run`'s shape."""
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
     from transformers import TrainerCallback
 
     impl, sp, tap, model_spec, model = start_arm(spec, loop)
     total = spec["warmup"] + spec["steps"]
+    profiler = StepProfile(model, deepspeed=impl == "deepspeed") if spec.get("profile") else None
+    steps_run = total + (profiler is not None)
     section = spec.get("section", {}) if impl == "ours" else None
     pc = None if impl == "ours" else ParallelismConfig(
         sp_backend="deepspeed", sp_size=sp, sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
     out_dir = tempfile.TemporaryDirectory(prefix=f"ds_ulysses_{loop}_bench-")  # the Trainer's, left empty
     args = dict(
-        output_dir=out_dir.name, per_device_train_batch_size=1, gradient_accumulation_steps=1, max_steps=total,
+        output_dir=out_dir.name, per_device_train_batch_size=1, gradient_accumulation_steps=1, max_steps=steps_run,
         learning_rate=LR, lr_scheduler_type="constant", logging_steps=1 << 30, report_to=[], save_strategy="no",
         deepspeed=trainer_ds_config(sp, section), parallelism_config=pc, seed=0, dataloader_num_workers=0,
         disable_tqdm=True, train_sampling_strategy="sequential")
     clock = EngineClock(tap)
     tap_library(tap, deepspeed=impl == "deepspeed")
-    refills = math.ceil(total / sp) + 1
+    refills = math.ceil(steps_run / sp) + 1
     data = make_dataset(int(os.environ["WORLD_SIZE"]) * refills, spec["seq_len"], model_spec["vocab"],
                         spec.get("packed_docs", 0))
     marks, phases, losses = [], [], []
-    seen = {"step_peaks": []}  # what the callbacks read: RSS high-water marks, the refill tallies after warm-up
+    # what the callbacks read: RSS high-water marks, the refill tallies after warm-up, the losses of the measured
+    # steps and the profile of the one after them
+    seen = {"step_peaks": []}
 
     class Measure(TrainerCallback):
         def on_train_begin(self, *_, **__):
@@ -185,6 +235,10 @@ def train(spec: dict, loop: str, build) -> dict:
             tap.phase = "load"
 
         def on_step_end(self, *_, **__):
+            if profiler is not None and profiler.running:  # the profiled step: not one of the measured
+                seen["profile"] = profiler.stop()
+                clock.take()
+                return
             phases.append(clock.take())
             seen["step_peaks"].append(_hwm_bytes())
             dist.barrier()
@@ -192,11 +246,16 @@ def train(spec: dict, loop: str, build) -> dict:
             if len(marks) == spec["warmup"] + 1:
                 seen["refill"] = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
                 tap.reset()
+            if len(phases) == total and profiler is not None:
+                seen.update(steps_peak=_hwm_bytes(), losses=len(losses), counted=tap_counts(tap))
+                seen.setdefault("refill", (tap.tallies["refill"].as_dict(), tap.counts["refill"]))
+                profiler.start()
 
     def recording(cls):
         class Recording(cls):
             def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-                loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+                with record_function("bench.forward"):
+                    loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
                 losses.append(float((loss[0] if return_outputs else loss).detach()))
                 return loss
 
@@ -210,8 +269,10 @@ def train(spec: dict, loop: str, build) -> dict:
     measured = slice(spec["warmup"], None)
     split = [[t - sum(p), *p] for t, p in zip(times, phases)]
     refill = seen.get("refill", (tap.tallies["refill"].as_dict(), tap.counts["refill"]))
-    steps_peak = _hwm_bytes()
+    steps_peak = seen.get("steps_peak") or _hwm_bytes()
+    profile = {"profile": seen["profile"]} if "profile" in seen else {}
     return finish_arm(tap, loop, {
-        "times": times[measured], "phases": split[measured], "losses": losses, "step_peaks": seen["step_peaks"],
-        "init_peak": seen["init_peak"], "steps_peak": steps_peak if seen["reset"] else None,
-        "peak": max(seen["init_peak"], steps_peak), "refill": refill[0], "refills": refill[1]})
+        "times": times[measured], "phases": split[measured], "losses": losses[:seen.get("losses")],
+        "step_peaks": seen["step_peaks"], "init_peak": seen["init_peak"],
+        "steps_peak": steps_peak if seen["reset"] else None, "peak": max(seen["init_peak"], steps_peak),
+        "refill": refill[0], "refills": refill[1], **profile}, seen.get("counted"))

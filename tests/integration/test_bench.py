@@ -63,8 +63,8 @@ def test_the_trainer_accelerate_and_trl_loops_run_each_arm_through_them(tmp_path
     without ds_ulysses loaded, ours through install() and the section, ours-dropin through install() and the
     same parallelism_config (in the Accelerate loop with DeepSpeed's user's loss from the logits, which it
     keeps; in TRL's SFTTrainer with its fused LM head); the same model and samples give the same loss at every
-    step, each arm's attention layers run (and are counted), and each loop's records are reported apart from
-    the engine loop's."""
+    step, each arm's attention layers run (and are counted), one more step is profiled phase by phase, and each
+    loop's records are reported apart from the engine loop's."""
     out, report_dir = tmp_path / "runs.jsonl", tmp_path / "report"
     assert cli.main(["bench", "--loop", loop, "--seq-len", "64", "--sp", "2", "--reps", "1", "--steps", "2",
                      "--warmup", "0", "--no-warm-up", "--no-noise", "--impl", "deepspeed", "ours-dropin", "ours",
@@ -77,6 +77,14 @@ def test_the_trainer_accelerate_and_trl_loops_run_each_arm_through_them(tmp_path
         assert all(r["ds_ulysses_loaded"] == (name != "deepspeed") for r in ranks), name
         assert all(len(r["times"]) == 2 and len(r["phases"][0]) == 4 and r["attn_forward_calls"] == 4 for r in ranks)
         assert ranks[0]["losses"] == pytest.approx(records["deepspeed"]["ranks"][0]["losses"], rel=1e-5), name
+        # the profiled third step, after the measured two (neither their losses nor their counts hold it): the
+        # regions sit where the engine loop's do, so each phase ran, ZeRO's rest of the backward aside
+        for r in ranks:
+            assert len(r["losses"]) == 2, name
+            profile = r["profile"]
+            busy = [k for k in ("adapter", "positions", "a2a_fwd", "core_fwd", "layers_fwd", "loss_fwd", "a2a_bwd",
+                                "core_bwd", "layers_bwd", "loss_bwd", "optimizer") if profile[k] <= 0]
+            assert not busy, (name, busy, profile)
     # per layer forward, DeepSpeed: 4 all-to-alls (q, k, v, out); ours: 2 (2 steps x 2 layers here)
     assert records["deepspeed"]["ranks"][0]["attn_forward"]["calls"]["all_to_all_single"] == 16
     assert records["ours"]["ranks"][0]["attn_forward"]["calls"]["all_to_all_single"] == 8
@@ -84,7 +92,9 @@ def test_the_trainer_accelerate_and_trl_loops_run_each_arm_through_them(tmp_path
     assert "| ours-dropin | 64 | 2 |" in printed and "| ours | 64 | 2 |" in printed
     text = (report_dir / "results.md").read_text()
     assert title in text
-    assert text.count("| ours-dropin | 64 | 2 |") == 2  # its ratio row and its measurement, in the loop's section only
+    # its ratio row, its measurement and its profile, in the loop's section only
+    assert text.count("| ours-dropin | 64 | 2 |") == 3
+    assert "| *ours-dropin - deepspeed* | 64 | 2 |" in text
 
 
 @pytest.mark.slow
@@ -145,8 +155,6 @@ def test_sizes_and_bad_arguments(capsys):
     assert "--max-seq-steps must be 1 or more" in capsys.readouterr().err
     assert cli.main(["bench", "--loop", "trainer", "--impl", "deepspeed", "deepspeed-alst"]) == 2
     assert "--loop trainer runs the arms" in capsys.readouterr().err
-    assert cli.main(["bench", "--loop", "trainer", "--profile-reps", "1"]) == 2
-    assert "--loop trainer profiles nothing" in capsys.readouterr().err
     assert cli.main(["bench", "--loop", "trainer", "--max-seq", "2G"]) == 2
     assert "does not combine with --max-seq" in capsys.readouterr().err
     assert cli.main(["bench", "--loop", "accelerate", "--impl", "deepspeed-alst"]) == 2
@@ -398,6 +406,39 @@ def test_profile_sets_arms_side_by_side_only_within_a_run():
         ("deepspeed", "fast", "5.000"), ("ours-dropin", "fast", "4.000"),
         ("*ours-dropin - deepspeed*", "fast", "*-1.000*"), ("deepspeed", "slow", "9.000")]
     assert rows[2][-2:] == ["*-1.00*", "*-0.50*"]
+
+
+def test_profile_counts_a_checkpointed_layers_forward_once():
+    """A layer under non-reentrant checkpointing runs its forward again inside the backward (TRL's default,
+    DeepSpeed's ALST recipe, our checkpoint offload). Its attention regions there are backward time: counted
+    in the forward phases too, the attention's forward came out larger than the decoder that holds it and
+    the rest of the layers negative (the regions nest in the forward, so the split can never be)."""
+    from torch.autograd.profiler import record_function
+    from torch.utils.checkpoint import checkpoint
+
+    from benchmarks.profile import phase_seconds
+
+    weight = torch.randn(256, 256, requires_grad=True)
+    x = torch.randn(512, 256, requires_grad=True)
+
+    def layer(h):
+        with record_function("bench.ulysses"), record_function("bench.core"):
+            return (h @ weight).relu() @ weight
+
+    seconds: dict = {}
+    with phase_seconds(seconds):
+        with record_function("bench.forward"):
+            with record_function("bench.decoder"):
+                hidden = checkpoint(layer, x, use_reentrant=False)
+            loss = hidden.square().mean()
+        with record_function("bench.backward"):
+            loss.backward()
+    assert seconds["core_fwd"] > 0 and seconds["layers_fwd"] >= 0 and seconds["a2a_fwd"] >= 0, seconds
+    # the recomputation is in the backward phases: the backward holds the forward once more and the matmuls' grads
+    assert seconds["core_bwd"] + seconds["layers_bwd"] + seconds["zero_bwd"] > seconds["core_fwd"], seconds
+    forward = sum(seconds[k] for k in ("adapter", "positions", "a2a_fwd", "core_fwd", "layers_fwd", "loss_fwd"))
+    backward = sum(seconds[k] for k in ("a2a_bwd", "core_bwd", "layers_bwd", "loss_bwd", "zero_bwd"))
+    assert forward + backward == pytest.approx(seconds["total"], rel=1e-9)
 
 
 def test_records_say_on_what_machine_and_at_what_commit_they_were_measured():
