@@ -21,7 +21,7 @@ kernel, of the all-to-alls and of the loss are told apart from the rest of the l
 no node accounts for (gradient accumulation, ZeRO's hooks and reduce-scatters) is ``backward, ZeRO``.
 A checkpointed layer's forward, run again in the backward, is the time of the backward node that ran it
 (mostly ``other layers``), not a second forward: the forward phases count their regions outside
-``bench.backward`` only (before 2026-11-28 21:30 they counted the recomputation's attention regions too).
+``bench.backward`` only (before 2026-11-28 they counted the recomputation's attention regions too).
 """
 
 from __future__ import annotations
@@ -89,8 +89,9 @@ class Regions:
         return self
 
     def adapter(self, cls) -> "Regions":
-        """The data adapter class's ``__next__`` as ``bench.adapter``, for a loop that fetches its batches itself
-        (the Trainer's); the engine loop puts the region around its own ``next(loader)`` instead."""
+        """The data adapter class's ``__next__`` as ``bench.adapter``, for the loops the benchmark does not write
+        (the Trainer's) or calls ``next`` in (Accelerate's); the engine loop puts the region around its own
+        ``next(loader)`` instead."""
         self._set(cls, "__next__", _region("bench.adapter", cls.__next__))
         return self
 
