@@ -99,7 +99,7 @@ def run(spec: dict) -> dict:
     refill = ({}, 0)
     for i in range(total):
         if i == spec["warmup"]:
-            refill = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
+            refill = tap.scope_totals("refill")
             tap.reset()
         dist.barrier()
         begin = time.perf_counter()
@@ -113,7 +113,7 @@ def run(spec: dict) -> dict:
             times.append(seconds)
             phases.append([seconds - sum(split), *split])
     if spec["warmup"] == 0:
-        refill = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
+        refill = tap.scope_totals("refill")
     steps_peak = _hwm_bytes()
     profile, counted = {}, tap_counts(tap)
     if profiler is not None:

@@ -339,7 +339,7 @@ def run(spec: dict) -> dict:
     for i in range(spec["warmup"] + spec["steps"]):
         measured = i >= spec["warmup"]
         if measured and i == spec["warmup"]:
-            refill = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
+            refill = tap.scope_totals("refill")
             tap.reset()
         dist.barrier()
         loss, split = _step(engine, loader, loss_fn, tap)
@@ -349,7 +349,7 @@ def run(spec: dict) -> dict:
             times.append(sum(split))
             phases.append(split)
     if spec["warmup"] == 0:
-        refill = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
+        refill = tap.scope_totals("refill")
     steps_peak = _hwm_bytes()
     result = {
         "rank": rank, "world": world, "times": times, "phases": phases, "losses": losses,

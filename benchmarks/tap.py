@@ -98,6 +98,10 @@ class CollectiveTap:
 
         setattr(cls, method, wrapped)
 
+    def scope_totals(self, name: str) -> tuple[dict, int]:
+        """What scope ``name`` has sent and received so far (its tally as a dict) and how often it was entered."""
+        return self.tallies[name].as_dict(), self.counts[name]
+
     def reset(self) -> None:
         self.tallies.clear()
         self.counts.clear()

@@ -244,11 +244,11 @@ def train(spec: dict, loop: str, build) -> dict:
             dist.barrier()
             marks.append(time.perf_counter())
             if len(marks) == spec["warmup"] + 1:
-                seen["refill"] = (tap.tallies["refill"].as_dict(), tap.counts["refill"])
+                seen["refill"] = tap.scope_totals("refill")
                 tap.reset()
             if len(phases) == total and profiler is not None:
                 seen.update(steps_peak=_hwm_bytes(), losses=len(losses), counted=tap_counts(tap))
-                seen.setdefault("refill", (tap.tallies["refill"].as_dict(), tap.counts["refill"]))
+                seen.setdefault("refill", tap.scope_totals("refill"))
                 profiler.start()
 
     def recording(cls):
@@ -268,7 +268,7 @@ def train(spec: dict, loop: str, build) -> dict:
     times = [b - a for a, b in zip(marks, marks[1:])]
     measured = slice(spec["warmup"], None)
     split = [[t - sum(p), *p] for t, p in zip(times, phases)]
-    refill = seen.get("refill", (tap.tallies["refill"].as_dict(), tap.counts["refill"]))
+    refill = seen.get("refill", tap.scope_totals("refill"))
     steps_peak = seen.get("steps_peak") or _hwm_bytes()
     profile = {"profile": seen["profile"]} if "profile" in seen else {}
     return finish_arm(tap, loop, {
