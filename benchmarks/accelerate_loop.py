@@ -27,8 +27,8 @@ A step is one turn of the loop, after a barrier: the next batch (the adapter), t
 ``accelerator.backward`` (which runs DeepSpeed's ``backward`` and ``step``), ``optimizer.step`` and
 ``optimizer.zero_grad``. ``phases`` split it as :mod:`benchmarks.trainer` does, around the engine's own
 methods. Memory is the RSS high-water mark, reset after ``prepare`` (the engine is built by then). With
-``spec["profile"]`` one more step runs after the measured ones (and after their peak is read) under
-``torch.profiler`` (:class:`benchmarks.trainer.StepProfile`; ``bench.forward`` is the loop's loss computation).
+``spec["profile"]`` one more refill cycle (sp steps) runs after the measured ones (and after their peak is
+read) under ``torch.profiler`` (:class:`benchmarks.trainer.StepProfile`; ``bench.forward`` is the loop's loss computation).
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def run(spec: dict) -> dict:
         sp_backend="deepspeed", sp_size=sp, sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), parallelism_config=pc)
     total = spec["warmup"] + spec["steps"]
-    profiler = StepProfile(model, deepspeed=impl == "deepspeed") if spec.get("profile") else None
-    refills = math.ceil((total + (profiler is not None)) / sp) + 1
+    profiler = StepProfile(model, impl == "deepspeed", sp) if spec.get("profile") else None
+    refills = math.ceil((total + (sp if profiler is not None else 0)) / sp) + 1
     data = make_dataset(int(os.environ["WORLD_SIZE"]) * refills, spec["seq_len"], model_spec["vocab"],
                         spec.get("packed_docs", 0))
     clock = EngineClock(tap)
@@ -117,10 +117,12 @@ def run(spec: dict) -> dict:
     steps_peak = _hwm_bytes()
     profile, counted = {}, tap_counts(tap)
     if profiler is not None:
-        dist.barrier()
         profiler.start()
-        step()
-        profile["profile"] = profiler.stop()
+        for _ in range(sp):
+            dist.barrier()
+            step()
+            seconds = profiler.step_end()
+        profile["profile"] = seconds
     clock.uninstall()
     return finish_arm(tap, "accelerate", {
         "times": times, "phases": phases, "losses": losses, "step_peaks": step_peaks, "init_peak": init_peak,

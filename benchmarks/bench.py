@@ -230,8 +230,8 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
 
     ``steps`` None means ``cycles`` adapter refill cycles of sp steps; ``variants`` maps a name to a ``"ulysses"``
     section override for an extra ``ours`` arm; the first ``profile_reps`` repetitions also profile
-    one step per launch (:mod:`benchmarks.profile`). ``loop`` "trainer" trains each arm through
-    Transformers' Trainer (:mod:`benchmarks.trainer`), "accelerate" through a plain Accelerate loop
+    one adapter refill cycle (sp steps) per launch (:mod:`benchmarks.profile`). ``loop`` "trainer" trains
+    each arm through Transformers' Trainer (:mod:`benchmarks.trainer`), "accelerate" through a plain Accelerate loop
     (:mod:`benchmarks.accelerate_loop`), "trl" through TRL's SFTTrainer (:mod:`benchmarks.trl_loop`).
     """
     from .report import format_group
@@ -378,7 +378,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="measured steps per launch (overrides --cycles)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per launch")
     parser.add_argument("--profile-reps", type=int, default=1, metavar="N",
-                        help="profile one extra step per launch in the first N repetitions (0: none; default 1)")
+                        help="profile one extra refill cycle (sp steps) per launch in the first N repetitions (0: none; "
+                             "default 1)")
     parser.add_argument("--model", action="append", default=[], metavar="KEY=INT",
                         help="model size override: vocab, hidden, intermediate, layers, heads, kv_heads")
     parser.add_argument("--out", default="benchmarks/results/runs.jsonl", help="JSON lines file to append to")

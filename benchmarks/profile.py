@@ -1,8 +1,11 @@
 """Where one training step spends its time, per phase, for DeepSpeed's ALST module and ours alike.
 
-One extra step of a launch runs under ``torch.profiler`` with named regions that the benchmark puts
-around the same places in both implementations (wrapping classes and modules from outside, as
-:mod:`benchmarks.tap` does for collectives; nothing is added to either library):
+One adapter refill cycle (sp steps, so exactly one refill) after a launch's measured steps runs under
+``torch.profiler`` with named regions that the benchmark puts around the same places in both
+implementations (wrapping classes and modules from outside, as :mod:`benchmarks.tap` does for
+collectives; nothing is added to either library). Every phase is seconds per step: the cycle's total over
+its steps, as the measured step time is a cycle's mean step. (Before 2026-11-29 one step was profiled, never
+a refill step at the defaults, so the adapter's phase was next to nothing.)
 
 - ``bench.adapter``: ``next(loader)`` (the data adapter's micro-batch, a refill every sp steps);
 - ``bench.forward`` / ``bench.backward`` / ``bench.step``: the user loop's three calls (in the Trainer's
@@ -126,8 +129,9 @@ def _is_backward_node(event) -> bool:
     return event.name.startswith("autograd::engine::evaluate_function:")
 
 
-def phases_of(events) -> dict:
-    """Seconds per phase (:data:`PHASES`) of one profiled step, from ``torch.profiler`` events."""
+def phases_of(events, steps: int = 1) -> dict:
+    """Seconds per phase (:data:`PHASES`) and step of ``steps`` profiled steps, from ``torch.profiler`` events;
+    ``"steps"`` says how many."""
     bench = {}  # event id -> innermost enclosing bench.* region name (None outside all)
     top_backward = []  # backward nodes evaluated by engine.backward, outermost only
     seq_region = {}  # forward op sequence number -> the innermost bench region that recorded it
@@ -177,7 +181,7 @@ def phases_of(events) -> dict:
     get = totals.get
     positions = get("bench.positions", 0.0) + get("positions_gather", 0.0)
     attributed = sum(bwd.values())
-    return {
+    summed = {
         "adapter": get("bench.adapter", 0.0),
         "positions": positions,
         "a2a_fwd": get("bench.ulysses", 0.0) - get("bench.core", 0.0) - positions,
@@ -194,13 +198,14 @@ def phases_of(events) -> dict:
         "total": get("bench.adapter", 0.0) + get("bench.forward", 0.0) + get("bench.backward", 0.0)
         + get("bench.step", 0.0),
     }
+    return {**{k: v / steps for k, v in summed.items()}, "steps": steps}
 
 
 @contextlib.contextmanager
-def phase_seconds(out: dict):
-    """Profile the block; on exit ``out`` holds :func:`phases_of` of what it ran."""
+def phase_seconds(out: dict, steps: int = 1):
+    """Profile the block, which runs ``steps`` steps; on exit ``out`` holds :func:`phases_of` of them."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         yield
-    out.update(phases_of(prof.events()))
+    out.update(phases_of(prof.events(), steps))

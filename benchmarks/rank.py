@@ -22,8 +22,8 @@ and the thread count are identical for all. Each step is timed as a user's loop 
 barrier: ``next(loader)`` (the adapter, refilling every sp steps), ``engine(**batch)`` with the loss,
 ``engine.backward``, ``engine.step``; the slowest rank's time is the step's. Memory is the RSS
 high-water mark of the process over its setup and measured steps (``/proc/self/clear_refs`` resets it
-after setup for the step-only figure). With ``profile``, one more step runs under ``torch.profiler``
-(:mod:`benchmarks.profile`: seconds per phase), after the peak is read. The collectives of the
+after setup for the step-only figure). With ``profile``, one more refill cycle (sp steps) runs under
+``torch.profiler`` (:mod:`benchmarks.profile`: seconds per phase and step), after the peak is read. The collectives of the
 attention layers and of the adapter's refills are counted by :mod:`benchmarks.tap`.
 """
 
@@ -312,7 +312,7 @@ def _step(engine, loader, loss_fn, tap):
 
 
 def run(spec: dict) -> dict:
-    """Set up one implementation, train ``warmup + steps`` steps (plus one profiled step with
+    """Set up one implementation, train ``warmup + steps`` steps (plus a profiled refill cycle, sp steps, with
     ``spec["profile"]``), return this rank's measurements."""
     import deepspeed
 
@@ -326,7 +326,7 @@ def run(spec: dict) -> dict:
     regions = Regions()
     model_spec = {**MODEL_DEFAULTS, **spec.get("model", {})}
     model = build_model(model_spec).train()
-    total_steps = spec["warmup"] + spec["steps"] + (1 if spec.get("profile") else 0)
+    total_steps = spec["warmup"] + spec["steps"] + (spec["sp"] if spec.get("profile") else 0)
     refills = math.ceil(total_steps / spec["sp"]) + 1
     data = make_dataset(world * refills, spec["seq_len"], model_spec["vocab"], spec.get("packed_docs", 0))
     impl = spec["impl"]
@@ -362,9 +362,10 @@ def run(spec: dict) -> dict:
     if spec.get("profile"):
         profile: dict = {}
         regions.collectives()
-        dist.barrier()
-        with phase_seconds(profile):
-            _step(engine, loader, loss_fn, tap)
+        with phase_seconds(profile, spec["sp"]):
+            for _ in range(spec["sp"]):
+                dist.barrier()
+                _step(engine, loader, loss_fn, tap)
         result["profile"] = profile
     regions.uninstall()
     dist.barrier()

@@ -217,8 +217,9 @@ def _profile_cells(p: dict) -> list[str]:
 
 
 def format_profile(records: list[dict], kind: str = "step") -> str:
-    """Seconds per step and phase of the profiled step (mean over ranks and the run's profiled launches)
-    beside the measured step of those launches, one row per arm and run, and per (S, sp, run) the
+    """Seconds per step and phase of the profiled steps (mean over ranks and the run's profiled launches; since
+    2026-11-29 one adapter refill cycle, sp steps, per launch, one step before) beside the measured step of
+    those launches, one row per arm and run, and per (S, sp, run) the
     difference ours-dropin - deepspeed: what switching the import costs or saves (in the engine loop, the
     mechanism's difference). Arms are only set side by side within a run: between runs the machine moves
     identical work by a third. ``kind`` picks the loop, as :func:`paired_launches` does."""
@@ -242,14 +243,15 @@ def format_profile(records: list[dict], kind: str = "step") -> str:
         config = [_k(s), sp, packed or "-", model or "default", run]
         arms = {name: pooled(launches[name]) for name in sorted(launches)}
         for name, (p, t) in arms.items():
-            rows.append([name, *config, *_profile_cells(p), f"{p['total']:.2f}", f"{t:.2f}"])
+            rows.append([name, *config, f"{p.get('steps', 1):g}", *_profile_cells(p), f"{p['total']:.2f}",
+                         f"{t:.2f}"])
         if "ours-dropin" in arms and "deepspeed" in arms:
             (p, t), (ds, ds_t) = arms["ours-dropin"], arms["deepspeed"]
             diff = {k: p[k] - ds[k] for k in p}
-            rows.append(["*ours-dropin - deepspeed*", *config, *(f"*{c}*" for c in _profile_cells(diff)),
+            rows.append(["*ours-dropin - deepspeed*", *config, "", *(f"*{c}*" for c in _profile_cells(diff)),
                          f"*{diff['total']:+.2f}*", f"*{t - ds_t:+.2f}*"])
-    return _table(["arm", "S", "sp", "docs", "model", "run", *(h for h, _ in PROFILE_COLUMNS), "profiled step s",
-                   "measured s/step"], rows)
+    return _table(["arm", "S", "sp", "docs", "model", "run", "steps profiled", *(h for h, _ in PROFILE_COLUMNS),
+                   "profiled s/step", "measured s/step"], rows)
 
 
 def format_noise(records: list[dict], kind: str = "step") -> str:
@@ -283,7 +285,8 @@ def format_run(records: list[dict], kind: str = "step") -> str:
     sections = ["## Noise (DeepSpeed against itself)", format_noise(records, kind), "## Ratios",
                 format_ratios(records, kind)]
     if _profiled(records, kind):
-        sections += ["## Seconds per phase (one profiled step)", format_profile(records, kind)]
+        sections += ["## Seconds per phase and step (one profiled refill cycle per launch)",
+                     format_profile(records, kind)]
     return "\n\n".join(sections + ["## Every measurement", format_summary(summarize(records, kind))])
 
 
@@ -439,7 +442,8 @@ def write_report(records: list[dict], out_dir: Path) -> list[Path]:
         "## Noise: DeepSpeed against itself in the same runs", format_noise(ok),
         "## Ratios arm / DeepSpeed (per repetition, median [min-max]; verdicts only beyond the noise)",
         format_ratios(ok),
-        "## Seconds per phase (one profiled step per launch of the first repetition)", format_profile(ok),
+        "## Seconds per phase and step (the profiled steps of each launch of the first repetition)",
+        format_profile(ok),
     ]
     if maxseq:
         sections += ["## Longest sequence in a per-rank RSS budget", format_maxseq(maxseq)]
@@ -450,8 +454,8 @@ def write_report(records: list[dict], out_dir: Path) -> list[Path]:
             sections += [f"## {title}: noise, ratios arm / DeepSpeed's parallelism_config path",
                          format_noise(ok, kind), format_ratios(ok, kind), format_summary(summarize(ok, kind))]
             if _profiled(ok, kind):
-                sections += ["Seconds per phase (one profiled step per launch of the first repetition; the "
-                             "forward phases hold the loop's whole loss computation):", format_profile(ok, kind)]
+                sections += ["Seconds per phase and step (the profiled steps of each launch of the first repetition; "
+                             "the forward phases hold the loop's whole loss computation):", format_profile(ok, kind)]
     if any(r.get("kind") == "layer" for r in ok):
         sections += ["## The attention layer alone (DeepSpeed's wrapper, its noise arm and ours interleaved per "
                      "iteration)", format_layer(ok)]

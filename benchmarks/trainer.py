@@ -20,9 +20,9 @@ fetching the batch (the adapter), the step's token count, forward, backward, the
 Trainer's bookkeeping. ``phases`` split it as :mod:`benchmarks.rank` does: the engine's ``forward``,
 ``backward`` and ``step`` as timed around DeepSpeed's own methods, and the rest (the adapter and the
 Trainer) first. Memory is the RSS high-water mark, reset when training begins (the engine is built by
-then), as :mod:`benchmarks.rank` resets it after its setup. With ``spec["profile"]`` one more step runs
-after the measured ones (and after their peak is read) under ``torch.profiler`` with the regions of
-:mod:`benchmarks.profile` (:class:`StepProfile`): ``bench.forward`` is the Trainer's ``compute_loss``
+then), as :mod:`benchmarks.rank` resets it after its setup. With ``spec["profile"]`` one more refill cycle
+(sp steps) runs after the measured ones (and after their peak is read) under ``torch.profiler`` with the
+regions of :mod:`benchmarks.profile` (:class:`StepProfile`): ``bench.forward`` is the Trainer's ``compute_loss``
 (forward, head and the Trainer's SP loss), ``bench.adapter`` the data adapter's ``__next__``.
 """
 
@@ -115,14 +115,15 @@ class EngineClock:
 
 
 class StepProfile:
-    """One step of a loop the benchmark does not drive itself, under ``torch.profiler`` with the regions of
-    :mod:`benchmarks.profile` on ``model`` (the model as built, its decoder ``model.model``) and on one
-    library's attention and adapter classes: :meth:`start` installs them and begins, :meth:`stop` ends and
-    returns :func:`benchmarks.profile.phases_of` of the step, the regions removed."""
+    """``steps`` steps (the adapter's refill cycle, sp) of a loop the benchmark does not drive itself, under
+    ``torch.profiler`` with the regions of :mod:`benchmarks.profile` on ``model`` (the model as built, its
+    decoder ``model.model``) and on one library's attention and adapter classes: :meth:`start` installs them
+    and begins, :meth:`step_end` after each step ends the profile after the last and returns
+    :func:`benchmarks.profile.phases_of` of the steps (None before), the regions removed."""
 
-    def __init__(self, model: torch.nn.Module, deepspeed: bool):
-        self.model, self.deepspeed = model, deepspeed
-        self.regions, self.seconds, self._profiling = Regions(), {}, None
+    def __init__(self, model: torch.nn.Module, deepspeed: bool, steps: int):
+        self.model, self.deepspeed, self.steps = model, deepspeed, steps
+        self.regions, self.seconds, self._profiling, self._ran = Regions(), {}, None, 0
 
     @property
     def running(self) -> bool:
@@ -132,10 +133,13 @@ class StepProfile:
         attention, adapter, positions = library_classes(self.deepspeed)
         self.regions.attention(attention, positions).adapter(adapter).module(self.model.model, "bench.decoder")
         self.regions.collectives()
-        self._profiling = phase_seconds(self.seconds)
+        self._profiling = phase_seconds(self.seconds, self.steps)
         self._profiling.__enter__()
 
-    def stop(self) -> dict:
+    def step_end(self) -> dict | None:
+        self._ran += 1
+        if self._ran < self.steps:
+            return None
         self._profiling.__exit__(None, None, None)
         self._profiling = None
         self.regions.uninstall()
@@ -196,7 +200,7 @@ def run(spec: dict) -> dict:
 def train(spec: dict, loop: str, build) -> dict:
     """One arm through a Trainer: ``build(args, model, data, callbacks, recording)`` returns the Trainer
     (``recording(cls)``: ``cls`` with its loss recorded) from ``args``, the keyword arguments of its
-    ``TrainingArguments``; its training's steps are measured (and one more profiled, with ``spec["profile"]``)
+    ``TrainingArguments``; its training's steps are measured (and sp more profiled, with ``spec["profile"]``)
     and returned in :func:`benchmarks.rank.run`'s shape."""
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
@@ -204,8 +208,8 @@ def train(spec: dict, loop: str, build) -> dict:
 
     impl, sp, tap, model_spec, model = start_arm(spec, loop)
     total = spec["warmup"] + spec["steps"]
-    profiler = StepProfile(model, deepspeed=impl == "deepspeed") if spec.get("profile") else None
-    steps_run = total + (profiler is not None)
+    profiler = StepProfile(model, impl == "deepspeed", sp) if spec.get("profile") else None
+    steps_run = total + (sp if profiler is not None else 0)
     section = spec.get("section", {}) if impl == "ours" else None
     pc = None if impl == "ours" else ParallelismConfig(
         sp_backend="deepspeed", sp_size=sp, sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
@@ -222,7 +226,7 @@ def train(spec: dict, loop: str, build) -> dict:
                         spec.get("packed_docs", 0))
     marks, phases, losses = [], [], []
     # what the callbacks read: RSS high-water marks, the refill tallies after warm-up, the losses of the measured
-    # steps and the profile of the one after them
+    # steps and the profile of the refill cycle after them
     seen = {"step_peaks": []}
 
     class Measure(TrainerCallback):
@@ -235,9 +239,13 @@ def train(spec: dict, loop: str, build) -> dict:
             tap.phase = "load"
 
         def on_step_end(self, *_, **__):
-            if profiler is not None and profiler.running:  # the profiled step: not one of the measured
-                seen["profile"] = profiler.stop()
+            if profiler is not None and profiler.running:  # a profiled step: not one of the measured
                 clock.take()
+                profile = profiler.step_end()
+                if profile is None:
+                    dist.barrier()
+                else:
+                    seen["profile"] = profile
                 return
             phases.append(clock.take())
             seen["step_peaks"].append(_hwm_bytes())

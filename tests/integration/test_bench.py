@@ -39,11 +39,12 @@ def test_tiny_side_by_side_run_writes_the_tables(tmp_path, capsys):
     losses = {r["name"]: r["ranks"][0]["losses"][0] for r in records}
     assert losses["ours"] == pytest.approx(losses["deepspeed"], rel=1e-5)  # same model, same samples
     assert losses[NOISE_ARM] == losses["deepspeed"]
-    # the first repetition profiles one step per launch: every phase is a time, and they add up to the step
+    # the first repetition profiles one refill cycle (sp steps) per launch: every phase is a time per step, the
+    # adapter's refill among them
     for rec in records:
         profile = rec["ranks"][0]["profile"]
         assert all(value >= 0 for key, value in profile.items() if key != "zero_bwd")
-        assert profile["total"] > 0
+        assert profile["steps"] == 2 and profile["total"] > 0 and profile["adapter"] > 0
     text = (report / "results.md").read_text()
     assert "| ours | 64 | 2 |" in text and "time ratios deepspeed[again] / deepspeed" in text
     # the collective tap sees both implementations: DeepSpeed 4 all-to-alls + 1 all_gather per layer, ours 2
@@ -63,8 +64,8 @@ def test_the_trainer_accelerate_and_trl_loops_run_each_arm_through_them(tmp_path
     without ds_ulysses loaded, ours through install() and the section, ours-dropin through install() and the
     same parallelism_config (in the Accelerate loop with DeepSpeed's user's loss from the logits, which it
     keeps; in TRL's SFTTrainer with its fused LM head); the same model and samples give the same loss at every
-    step, each arm's attention layers run (and are counted), one more step is profiled phase by phase, and each
-    loop's records are reported apart from the engine loop's."""
+    step, each arm's attention layers run (and are counted), one more refill cycle is profiled phase by phase,
+    and each loop's records are reported apart from the engine loop's."""
     out, report_dir = tmp_path / "runs.jsonl", tmp_path / "report"
     assert cli.main(["bench", "--loop", loop, "--seq-len", "64", "--sp", "2", "--reps", "1", "--steps", "2",
                      "--warmup", "0", "--no-warm-up", "--no-noise", "--impl", "deepspeed", "ours-dropin", "ours",
@@ -77,11 +78,12 @@ def test_the_trainer_accelerate_and_trl_loops_run_each_arm_through_them(tmp_path
         assert all(r["ds_ulysses_loaded"] == (name != "deepspeed") for r in ranks), name
         assert all(len(r["times"]) == 2 and len(r["phases"][0]) == 4 and r["attn_forward_calls"] == 4 for r in ranks)
         assert ranks[0]["losses"] == pytest.approx(records["deepspeed"]["ranks"][0]["losses"], rel=1e-5), name
-        # the profiled third step, after the measured two (neither their losses nor their counts hold it): the
-        # regions sit where the engine loop's do, so each phase ran, ZeRO's rest of the backward aside
+        # the profiled refill cycle (steps 3 and 4), after the measured two (neither their losses nor their counts
+        # hold it): the regions sit where the engine loop's do, so each phase ran, ZeRO's rest of the backward aside
         for r in ranks:
             assert len(r["losses"]) == 2, name
             profile = r["profile"]
+            assert profile["steps"] == 2, (name, profile)
             busy = [k for k in ("adapter", "positions", "a2a_fwd", "core_fwd", "layers_fwd", "loss_fwd", "a2a_bwd",
                                 "core_bwd", "layers_bwd", "loss_bwd", "optimizer") if profile[k] <= 0]
             assert not busy, (name, busy, profile)
@@ -401,11 +403,35 @@ def test_profile_sets_arms_side_by_side_only_within_a_run():
     table = report.format_profile([rec("deepspeed", "slow", 9.0, 10.0), rec("deepspeed", "fast", 5.0, 6.0),
                                    rec("ours-dropin", "fast", 4.0, 5.5)])
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
-    attention = 9  # arm, S, sp, docs, model, run, adapter, gather, all-to-alls, attention kernel
+    attention = 10  # arm, S, sp, docs, model, run, steps profiled, adapter, gather, all-to-alls, attention kernel
     assert [(r[0], r[5], r[attention]) for r in rows] == [
         ("deepspeed", "fast", "5.000"), ("ours-dropin", "fast", "4.000"),
         ("*ours-dropin - deepspeed*", "fast", "*-1.000*"), ("deepspeed", "slow", "9.000")]
     assert rows[2][-2:] == ["*-1.00*", "*-0.50*"]
+
+
+def test_a_profile_of_several_steps_gives_seconds_per_step():
+    """A refill cycle of two steps, the adapter's refill in the first only: every phase is its time over the
+    cycle halved (as the measured step time is a cycle's mean step), and the record says two steps."""
+    from types import SimpleNamespace
+
+    from benchmarks.profile import phases_of
+
+    def region(name, micros, parent=None):
+        return SimpleNamespace(name=name, cpu_parent=parent, sequence_nr=-1,
+                               time_range=SimpleNamespace(elapsed_us=lambda: micros))
+
+    events = []
+    for adapter_us in (3000, 10):  # the refill, then a step served from the adapter's shards
+        forward = region("bench.forward", 500)
+        events += [region("bench.adapter", adapter_us), forward, region("bench.decoder", 400, forward),
+                   region("bench.backward", 900), region("bench.step", 200)]
+    seconds = phases_of(events, steps=2)
+    assert seconds["steps"] == 2
+    assert seconds["adapter"] == pytest.approx(3010e-6 / 2)
+    assert seconds["layers_fwd"] == pytest.approx(400e-6) and seconds["loss_fwd"] == pytest.approx(100e-6)
+    assert seconds["zero_bwd"] == pytest.approx(900e-6) and seconds["optimizer"] == pytest.approx(200e-6)
+    assert seconds["total"] == pytest.approx((3010 + 2 * (500 + 900 + 200)) * 1e-6 / 2)
 
 
 def test_profile_counts_a_checkpointed_layers_forward_once():
