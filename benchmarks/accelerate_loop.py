@@ -25,10 +25,11 @@ optimizer, so the loop's optimizer is Accelerate's ``DummyOptim``):
 
 A step is one turn of the loop, after a barrier: the next batch (the adapter), the forward with the loss,
 ``accelerator.backward`` (which runs DeepSpeed's ``backward`` and ``step``), ``optimizer.step`` and
-``optimizer.zero_grad``. ``phases`` split it as :mod:`benchmarks.trainer` does, around the engine's own
-methods. Memory is the RSS high-water mark, reset after ``prepare`` (the engine is built by then). With
-``spec["profile"]`` one more refill cycle (sp steps) runs after the measured ones (and after their peak is
-read) under ``torch.profiler`` (:class:`benchmarks.trainer.StepProfile`; ``bench.forward`` is the loop's loss computation).
+``optimizer.zero_grad``; ``cpu_times`` is the process's CPU time over it. ``phases`` split it as
+:mod:`benchmarks.trainer` does, around the engine's own methods. Memory is the RSS high-water mark, reset
+after ``prepare`` (the engine is built by then). With ``spec["profile"]`` one more refill cycle (sp steps)
+runs after the measured ones (and after their peak is read) under ``torch.profiler``
+(:class:`benchmarks.trainer.StepProfile`; ``bench.forward`` is the loop's loss computation).
 """
 
 from __future__ import annotations
@@ -95,22 +96,23 @@ def run(spec: dict) -> dict:
         optimizer.zero_grad()
         return loss
 
-    times, phases, losses, step_peaks = [], [], [], []
+    times, cpu_times, phases, losses, step_peaks = [], [], [], [], []
     refill = ({}, 0)
     for i in range(total):
         if i == spec["warmup"]:
             refill = tap.scope_totals("refill")
             tap.reset()
         dist.barrier()
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), time.process_time()
         tap.phase = "load"
         loss = step()
-        seconds = time.perf_counter() - begin
+        seconds, cpu = time.perf_counter() - begin, time.process_time() - cpu
         split = clock.take()
         losses.append(float(loss.detach()))
         step_peaks.append(_hwm_bytes())
         if i >= spec["warmup"]:
             times.append(seconds)
+            cpu_times.append(cpu)
             phases.append([seconds - sum(split), *split])
     if spec["warmup"] == 0:
         refill = tap.scope_totals("refill")
@@ -125,6 +127,6 @@ def run(spec: dict) -> dict:
         profile["profile"] = seconds
     clock.uninstall()
     return finish_arm(tap, "accelerate", {
-        "times": times, "phases": phases, "losses": losses, "step_peaks": step_peaks, "init_peak": init_peak,
-        "steps_peak": steps_peak if reset_ok else None, "peak": max(init_peak, steps_peak), "refill": refill[0],
-        "refills": refill[1], **profile}, counted)
+        "times": times, "cpu_times": cpu_times, "phases": phases, "losses": losses, "step_peaks": step_peaks,
+        "init_peak": init_peak, "steps_peak": steps_peak if reset_ok else None, "peak": max(init_peak, steps_peak),
+        "refill": refill[0], "refills": refill[1], **profile}, counted)

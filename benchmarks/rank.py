@@ -20,10 +20,12 @@ Run by :mod:`benchmarks.bench` as ``python -m benchmarks.rank SPEC.json`` in fre
 The model, the samples, the DeepSpeed config (ZeRO-3, parameters and optimizer offloaded to CPU)
 and the thread count are identical for all. Each step is timed as a user's loop runs it, after a
 barrier: ``next(loader)`` (the adapter, refilling every sp steps), ``engine(**batch)`` with the loss,
-``engine.backward``, ``engine.step``; the slowest rank's time is the step's. Memory is the RSS
-high-water mark of the process over its setup and measured steps (``/proc/self/clear_refs`` resets it
-after setup for the step-only figure). With ``profile``, one more refill cycle (sp steps) runs under
-``torch.profiler`` (:mod:`benchmarks.profile`: seconds per phase and step), after the peak is read. The collectives of the
+``engine.backward``, ``engine.step``; the slowest rank's time is the step's. Each rank also takes the CPU
+time its process spent in the step (``cpu_times``, every thread: the work, without the time spent waiting
+for a peer or with the virtual CPU taken away by the host). Memory is the RSS high-water mark of the
+process over its setup and measured steps (``/proc/self/clear_refs`` resets it after setup for the
+step-only figure). With ``profile``, one more refill cycle (sp steps) runs under ``torch.profiler``
+(:mod:`benchmarks.profile`: seconds per phase and step), after the peak is read. The collectives of the
 attention layers and of the adapter's refills are counted by :mod:`benchmarks.tap`.
 """
 
@@ -334,7 +336,7 @@ def run(spec: dict) -> dict:
     regions.module(model.model, "bench.decoder")
     init_peak = _hwm_bytes()
     reset_ok = _reset_hwm()
-    times, phases, losses, step_peaks = [], [], [], []
+    times, cpu_times, phases, losses, step_peaks = [], [], [], [], []
     refill = ({}, 0)
     for i in range(spec["warmup"] + spec["steps"]):
         measured = i >= spec["warmup"]
@@ -342,17 +344,20 @@ def run(spec: dict) -> dict:
             refill = tap.scope_totals("refill")
             tap.reset()
         dist.barrier()
+        cpu = time.process_time()
         loss, split = _step(engine, loader, loss_fn, tap)
+        cpu = time.process_time() - cpu
         losses.append(float(loss.detach()))
         step_peaks.append(_hwm_bytes())
         if measured:
             times.append(sum(split))
+            cpu_times.append(cpu)
             phases.append(split)
     if spec["warmup"] == 0:
         refill = tap.scope_totals("refill")
     steps_peak = _hwm_bytes()
     result = {
-        "rank": rank, "world": world, "times": times, "phases": phases, "losses": losses,
+        "rank": rank, "world": world, "times": times, "cpu_times": cpu_times, "phases": phases, "losses": losses,
         "step_peaks": step_peaks, "init_peak": init_peak, "steps_peak": steps_peak if reset_ok else None,
         "peak": max(init_peak, steps_peak),
         "attn_forward": tap.tallies["attn_forward"].as_dict(), "attn_forward_calls": tap.counts["attn_forward"],

@@ -11,6 +11,9 @@ verdict is claimed only beyond the noise:
 - against a target ``t``: ``met`` when ``r + n <= t``, ``missed`` when ``r - n > t``, otherwise
   ``undecided`` (the target lies inside the noise band).
 
+Beside the step time, the work per step (the CPU seconds of all ranks, :func:`benchmarks.bench.launch_cpu`;
+recorded since 2026-11-29) is paired and judged against the noise arm the same way (:func:`format_work`).
+
 Targets (issue 15): mechanism (``ours-dropin``) time and memory <= 1.0 at every length; product
 (``ours``, defaults) time <= 0.95 and memory <= 0.6 at S >= 16K; packed product time <= 0.7.
 
@@ -26,7 +29,7 @@ from pathlib import Path
 
 from ds_ulysses.constants import GIB
 
-from .bench import NOISE_ARM, launch_peak, launch_time, model_key, summarize
+from .bench import NOISE_ARM, launch_cpu, launch_peak, launch_time, model_key, summarize
 from .rank import MODEL_DEFAULTS
 
 __all__ = ["format_group", "format_run", "write_report", "ratio_rows", "noise_of", "verdict", "target_verdict",
@@ -123,6 +126,12 @@ def spread(values: list[float], digits: int = 2) -> str:
     return f"{med:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
 
+def _row_order(item) -> tuple:
+    """Rows by model, packing, S, sp, then arm, from a ``((name, S, sp, packed, model), ...)`` item."""
+    (name, s, sp, packed, model), _ = item
+    return model, packed, s, sp, name
+
+
 def ratio_rows(records: list[dict], kind: str = "step") -> list[dict]:
     """One row per (arm, configuration) with a DeepSpeed pair: ratios, spread, noise, verdicts. Its seconds
     and GiB are medians over the same paired launches as its ratios, so a configuration measured in several
@@ -131,8 +140,7 @@ def ratio_rows(records: list[dict], kind: str = "step") -> list[dict]:
     launches = paired_launches(records, kind)
     summary = summarize(records, kind)
     rows = []
-    for (name, s, sp, packed, model), values in sorted(pairs.items(), key=lambda kv: (kv[0][4], kv[0][3], kv[0][1],
-                                                                                     kv[0][2], kv[0][0])):
+    for (name, s, sp, packed, model), values in sorted(pairs.items(), key=_row_order):
         config = (s, sp, packed, model)
         noise = noise_of(pairs, config)
         n_t, n_m = (noise[0], noise[1]) if noise else (None, None)
@@ -190,6 +198,36 @@ def format_ratios(records: list[dict], kind: str = "step") -> str:
     return _table(["arm", "S", "sp", "docs", "model", "DS s/step", "arm s/step", "time ratio [min-max]", "noise",
                    "vs DS", "time target", "DS peak GiB", "arm peak GiB", "memory ratio [min-max]", "noise", "vs DS",
                    "memory target", "first loss DS / arm", "reps"], rows)
+
+
+def format_work(records: list[dict], kind: str = "step") -> str:
+    """The CPU seconds per step of all ranks (:func:`benchmarks.bench.launch_cpu`), arm / DeepSpeed within each
+    repetition, judged against the noise arm's own ratios as the step time is: the work each library does
+    per step, which neither a peer's wait nor the host's stolen time enters. Launches measured before the
+    ranks took their CPU time (2026-11-29) are left out."""
+    pairs = {}
+    for key, launches in paired_launches(records, kind).items():
+        measured = [(launch_cpu(rec), launch_cpu(ds)) for rec, ds in launches]
+        measured = [(arm, ds) for arm, ds in measured if arm is not None and ds is not None]
+        if measured:
+            pairs[key] = measured
+    rows = []
+    for (name, s, sp, packed, model), measured in sorted(pairs.items(), key=_row_order):
+        ratios = [arm / ds for arm, ds in measured]
+        same = pairs.get((NOISE_ARM, s, sp, packed, model))
+        noise = max(abs(arm / ds - 1) for arm, ds in same) if same else None
+        ratio = statistics.median(ratios)
+        rows.append([name, _k(s), sp, packed or "-", model or "default",
+                     f"{statistics.median(ds for _, ds in measured):.2f}",
+                     f"{statistics.median(arm for arm, _ in measured):.2f}", f"**{spread(ratios)}**",
+                     _noise_text(noise), verdict(ratio, noise, "less work", "more work"), len(ratios)])
+    return _table(["arm", "S", "sp", "docs", "model", "DS CPU s/step", "arm CPU s/step", "work ratio [min-max]",
+                   "noise", "vs DS", "reps"], rows)
+
+
+def _worked(records: list[dict], kind: str) -> bool:
+    return any(rec.get("kind", "step") == kind and launch_cpu(rec) is not None
+               for rec in records if "error" not in rec and rec.get("ranks"))
 
 
 # -- the per-phase profile ---------------------------------------------------------------------------
@@ -274,16 +312,23 @@ def _profiled(records: list[dict], kind: str) -> bool:
 
 
 def format_group(records: list[dict], kind: str = "step") -> str:
-    """What ``bench`` prints after each (S, sp): the ratios and the profile of those launches (if profiled)."""
-    if not _profiled(records, kind):
-        return "\n" + format_ratios(records, kind) + "\n"
-    return "\n" + format_ratios(records, kind) + "\n\n" + format_profile(records, kind) + "\n"
+    """What ``bench`` prints after each (S, sp): the ratios, the work per step and the profile of those launches
+    (where measured)."""
+    tables = [format_ratios(records, kind)]
+    if _worked(records, kind):
+        tables.append(format_work(records, kind))
+    if _profiled(records, kind):
+        tables.append(format_profile(records, kind))
+    return "\n" + "\n\n".join(tables) + "\n"
 
 
 def format_run(records: list[dict], kind: str = "step") -> str:
-    """What ``bench`` prints at the end: noise, ratios, profile (if profiled), every measurement."""
+    """What ``bench`` prints at the end: noise, ratios, work per step and profile (where measured), every
+    measurement."""
     sections = ["## Noise (DeepSpeed against itself)", format_noise(records, kind), "## Ratios",
                 format_ratios(records, kind)]
+    if _worked(records, kind):
+        sections += ["## Work per step (CPU seconds of all ranks)", format_work(records, kind)]
     if _profiled(records, kind):
         sections += ["## Seconds per phase and step (one profiled refill cycle per launch)",
                      format_profile(records, kind)]
@@ -442,6 +487,7 @@ def write_report(records: list[dict], out_dir: Path) -> list[Path]:
         "## Noise: DeepSpeed against itself in the same runs", format_noise(ok),
         "## Ratios arm / DeepSpeed (per repetition, median [min-max]; verdicts only beyond the noise)",
         format_ratios(ok),
+        "## Work per step: CPU seconds of all ranks, arm / DeepSpeed (since 2026-11-29)", format_work(ok),
         "## Seconds per phase and step (the profiled steps of each launch of the first repetition)",
         format_profile(ok),
     ]
@@ -453,6 +499,8 @@ def write_report(records: list[dict], out_dir: Path) -> list[Path]:
         if any(r.get("kind") == kind for r in ok):
             sections += [f"## {title}: noise, ratios arm / DeepSpeed's parallelism_config path",
                          format_noise(ok, kind), format_ratios(ok, kind), format_summary(summarize(ok, kind))]
+            if _worked(ok, kind):
+                sections += ["Work per step (CPU seconds of all ranks):", format_work(ok, kind)]
             if _profiled(ok, kind):
                 sections += ["Seconds per phase and step (the profiled steps of each launch of the first repetition; "
                              "the forward phases hold the loop's whole loss computation):", format_profile(ok, kind)]

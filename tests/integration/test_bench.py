@@ -15,7 +15,7 @@ import torch
 from ds_ulysses import cli
 from ds_ulysses.planner import parse_size
 from benchmarks import bench, maxseq, report, tiled
-from benchmarks.bench import NOISE_ARM, launch_time, parse_bytes
+from benchmarks.bench import NOISE_ARM, launch_cpu, launch_time, parse_bytes
 from benchmarks.report import ratio_rows, target_verdict, ulysses_min_bytes, verdict
 
 TINY = ["--model", "vocab=128", "--model", "hidden=32", "--model", "intermediate=64", "--model", "layers=2",
@@ -45,6 +45,11 @@ def test_tiny_side_by_side_run_writes_the_tables(tmp_path, capsys):
         profile = rec["ranks"][0]["profile"]
         assert all(value >= 0 for key, value in profile.items() if key != "zero_bwd")
         assert profile["steps"] == 2 and profile["total"] > 0 and profile["adapter"] > 0
+    # each rank's CPU time per measured step: some work, and no more than its process's threads could do
+    for rec in records:
+        for r in rec["ranks"]:
+            assert len(r["cpu_times"]) == len(r["times"]) == 1
+            assert 0 < r["cpu_times"][0] <= r["times"][0] * os.cpu_count()
     text = (report / "results.md").read_text()
     assert "| ours | 64 | 2 |" in text and "time ratios deepspeed[again] / deepspeed" in text
     # the collective tap sees both implementations: DeepSpeed 4 all-to-alls + 1 all_gather per layer, ours 2
@@ -77,6 +82,7 @@ def test_the_trainer_accelerate_and_trl_loops_run_each_arm_through_them(tmp_path
         ranks = rec["ranks"]
         assert all(r["ds_ulysses_loaded"] == (name != "deepspeed") for r in ranks), name
         assert all(len(r["times"]) == 2 and len(r["phases"][0]) == 4 and r["attn_forward_calls"] == 4 for r in ranks)
+        assert all(len(r["cpu_times"]) == 2 and min(r["cpu_times"]) > 0 for r in ranks), name
         assert ranks[0]["losses"] == pytest.approx(records["deepspeed"]["ranks"][0]["losses"], rel=1e-5), name
         # the profiled refill cycle (steps 3 and 4), after the measured two (neither their losses nor their counts
         # hold it): the regions sit where the engine loop's do, so each phase ran, ZeRO's rest of the backward aside
@@ -97,6 +103,7 @@ def test_the_trainer_accelerate_and_trl_loops_run_each_arm_through_them(tmp_path
     # its ratio row, its measurement and its profile, in the loop's section only
     assert text.count("| ours-dropin | 64 | 2 |") == 3
     assert "| *ours-dropin - deepspeed* | 64 | 2 |" in text
+    assert text.count("Work per step (CPU seconds of all ranks):") == 1
 
 
 @pytest.mark.slow
@@ -175,6 +182,36 @@ def test_a_launch_counts_its_fastest_refill_cycle_of_the_slowest_ranks_steps():
     assert launch_time(record(2, [6, 1, 2], [1, 1, 1])) == 3.0
     assert launch_time(record(4, [2, 4], [3, 1])) == 3.5
     assert math.isnan(launch_time(record(2, [])))
+
+
+def test_a_launchs_work_is_its_ranks_cpu_seconds_summed_over_its_least_busy_refill_cycle():
+    def record(sp, *rank_cpu):
+        return {"sp": sp, "ranks": [{"times": [9.0] * len(c), "cpu_times": list(c)} for c in rank_cpu]}
+
+    # sp 2, two cycles: the ranks' sum per step is 6, 5 | 4, 3 -> cycle means 5.5 and 3.5
+    assert launch_cpu(record(2, [5, 1, 3, 2], [1, 4, 1, 1])) == 3.5
+    assert launch_cpu(record(2, [6, 1, 2], [1, 1, 1])) == 4.0  # a partial cycle: every step counts
+    # a record from before the ranks took their CPU time has no work figure (not a zero)
+    assert launch_cpu({"sp": 2, "ranks": [{"times": [1.0, 1.0]}, {"times": [1.0, 1.0]}]}) is None
+
+
+def test_work_table_judges_the_median_ratio_against_the_noise_arms_work_and_skips_older_records():
+    def launch(name, rep, cpu, run="b"):
+        ranks = [{"times": [cpu], "peak": 1} for _ in range(2)]
+        if cpu is not None:
+            for r in ranks:
+                r["cpu_times"] = [cpu / 2]
+        return {"name": name, "run": run, "rep": rep, "seq_len": 4096, "sp": 1, "model": {}, "ranks": ranks}
+
+    records = [launch("deepspeed", "x", None, run="a"), launch("ours", "x", None, run="a")]  # before the CPU time
+    for rep, (ds, again, dropin, ours) in enumerate([(10.0, 10.2, 9.9, 8.0), (10.0, 9.9, 10.1, 8.2),
+                                                     (10.0, 10.1, 10.0, 7.9)]):
+        records += [launch("deepspeed", rep, ds), launch(NOISE_ARM, rep, again), launch("ours-dropin", rep, dropin),
+                    launch("ours", rep, ours)]
+    table = report.format_work(records)
+    rows = {r[0]: r for r in ([c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:])}
+    assert rows["ours-dropin"][5:] == ["10.00", "10.00", "**1.00 [0.99-1.01]**", "±2.0%", "same within noise", "3"]
+    assert rows["ours"][5:] == ["10.00", "8.00", "**0.80 [0.79-0.82]**", "±2.0%", "less work", "3"]
 
 
 def test_verdicts_are_claimed_only_beyond_the_noise():
