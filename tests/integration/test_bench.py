@@ -100,8 +100,8 @@ def test_the_trainer_accelerate_and_trl_loops_run_each_arm_through_them(tmp_path
     assert "| ours-dropin | 64 | 2 |" in printed and "| ours | 64 | 2 |" in printed
     text = (report_dir / "results.md").read_text()
     assert title in text
-    # its ratio row, its measurement and its profile, in the loop's section only
-    assert text.count("| ours-dropin | 64 | 2 |") == 3
+    # its ratio row, its work row, its measurement and its profile, in the loop's section only
+    assert text.count("| ours-dropin | 64 | 2 |") == 4
     assert "| *ours-dropin - deepspeed* | 64 | 2 |" in text
     assert text.count("Work per step (CPU seconds of all ranks):") == 1
 
