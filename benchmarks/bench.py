@@ -7,8 +7,9 @@ Every configuration (S, sp) runs each *arm* once per repetition, in an order rot
 same again as ``deepspeed[again]`` (the noise arm: identical code, so its ratio to ``deepspeed`` is
 what this machine does to a ratio), ``ours-dropin``, ``ours`` and any ``ours[variant]``. A launch's
 step time is the fastest of its measured adapter refill cycles (sp steps each, ``--cycles``), as the
-mean of the slowest rank's whole user-loop steps; its memory is the largest rank's peak RSS. Each
-ratio is taken within a repetition (arm / ``deepspeed`` of the same repetition), so slow drifts in
+mean of the slowest rank's whole user-loop steps; its memory is the largest rank's peak RSS; its work the
+CPU seconds of all ranks per step (:func:`launch_cpu`), beside which the record keeps the share of the
+machine's CPU time the host stole while it ran (``stolen``, from ``/proc/stat``). Each ratio is taken within a repetition (arm / ``deepspeed`` of the same repetition), so slow drifts in
 machine load cancel, and is reported as the median over repetitions with its spread
 (:mod:`benchmarks.report`).
 
@@ -78,6 +79,22 @@ def _loadavg() -> float:
         return float(Path("/proc/loadavg").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return float("nan")
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(stolen, all) clock ticks of this machine's CPUs so far (``/proc/stat``): ``stolen`` is the time the
+    host ran something else on the virtual CPUs while they had work."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def _stolen(before: tuple[int, int]) -> float:
+    """The share of the machine's CPU time stolen by the host since ``before`` (:func:`_cpu_ticks`)."""
+    stolen, total = _cpu_ticks()
+    return (stolen - before[0]) / (total - before[1]) if total > before[1] else float("nan")
 
 
 class OverBudget(RuntimeError):
@@ -276,7 +293,7 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
                 shift = rep % len(entries)
                 for order, (name, impl, variant, section) in enumerate(entries[shift:] + entries[:shift]):
                     spec = spec_of(impl, seq_len, sp, section, rep < profile_reps)
-                    begin = time.monotonic()
+                    begin, ticks = time.monotonic(), _cpu_ticks()
                     record = {"kind": LOOPS[loop], **spec, "variant": variant, "name": name, "rep": rep, "order": order,
                               "run": run_id, **stamp(), "load_before": _loadavg()}
                     try:
@@ -285,7 +302,7 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
                         record["error"] = str(exc)[-2000:]
                         log(f"{name:>24} S={seq_len:>6} sp={sp} rep={rep}: FAILED ({str(exc).splitlines()[-1]})")
                     record["load_after"] = _loadavg()
-                    record["wall"] = time.monotonic() - begin
+                    record["wall"], record["stolen"] = time.monotonic() - begin, _stolen(ticks)
                     with open(out, "a") as f:
                         f.write(json.dumps(record) + "\n")
                     if "error" in record:
@@ -293,8 +310,10 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
                     records.append(record)
                     group.append(record)
                     log(f"{name:>24} S={seq_len:>6} sp={sp} packed={packed_docs} rep={rep}: "
-                        f"step {launch_time(record):.2f}s, peak {launch_peak(record) / GIB:.2f} GiB, "
-                        f"launch {record['wall']:.0f}s, load {record['load_before']:.1f}->{record['load_after']:.1f}")
+                        f"step {launch_time(record):.2f}s, work {launch_cpu(record):.2f} CPU s, "
+                        f"peak {launch_peak(record) / GIB:.2f} GiB, launch {record['wall']:.0f}s, "
+                        f"load {record['load_before']:.1f}->{record['load_after']:.1f}, "
+                        f"stolen {record['stolen']:.1%}")
             if group:
                 log(format_group(group, LOOPS[loop]))
     return records

@@ -36,6 +36,7 @@ def test_tiny_side_by_side_run_writes_the_tables(tmp_path, capsys):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["name"] for r in records] == ["deepspeed", NOISE_ARM, "ours"]
     assert all(r["machine"] == bench.machine() and r["commit"] == bench.commit() for r in records)
+    assert all(0 <= r["stolen"] <= 1 for r in records)  # the host's share of the CPUs while each launch ran
     losses = {r["name"]: r["ranks"][0]["losses"][0] for r in records}
     assert losses["ours"] == pytest.approx(losses["deepspeed"], rel=1e-5)  # same model, same samples
     assert losses[NOISE_ARM] == losses["deepspeed"]
