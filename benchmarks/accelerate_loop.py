@@ -123,8 +123,7 @@ def run(spec: dict) -> dict:
         for _ in range(sp):
             dist.barrier()
             step()
-            seconds = profiler.step_end()
-        profile["profile"] = seconds
+            profile["profile"] = profiler.step_end()  # None until the cycle's last step
     clock.uninstall()
     return finish_arm(tap, "accelerate", {
         "times": times, "cpu_times": cpu_times, "phases": phases, "losses": losses, "step_peaks": step_peaks,
