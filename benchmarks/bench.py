@@ -9,9 +9,9 @@ what this machine does to a ratio), ``ours-dropin``, ``ours`` and any ``ours[var
 step time is the fastest of its measured adapter refill cycles (sp steps each, ``--cycles``), as the
 mean of the slowest rank's whole user-loop steps; its memory is the largest rank's peak RSS; its work the
 CPU seconds of all ranks per step (:func:`launch_cpu`), beside which the record keeps the share of the
-machine's CPU time the host stole while it ran (``stolen``, from ``/proc/stat``). Each ratio is taken within a repetition (arm / ``deepspeed`` of the same repetition), so slow drifts in
-machine load cancel, and is reported as the median over repetitions with its spread
-(:mod:`benchmarks.report`).
+machine's CPU time the host stole while it ran (``stolen``, from ``/proc/stat``). Each ratio is taken
+within a repetition (arm / ``deepspeed`` of the same repetition), so slow drifts in machine load cancel,
+and is reported as the median over repetitions with its spread (:mod:`benchmarks.report`).
 
 ``--loop trainer`` runs the same arms through Transformers' Trainer (:mod:`benchmarks.trainer`) and
 ``--loop accelerate`` through a plain Accelerate loop (:mod:`benchmarks.accelerate_loop`) and ``--loop trl``
@@ -261,8 +261,9 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
     ``steps`` None means ``cycles`` adapter refill cycles of sp steps; ``variants`` maps a name to a ``"ulysses"``
     section override for an extra ``ours`` arm; the first ``profile_reps`` repetitions also profile
     one adapter refill cycle (sp steps) per launch (:mod:`benchmarks.profile`). ``loop`` "trainer" trains
-    each arm through Transformers' Trainer (:mod:`benchmarks.trainer`), "accelerate" through a plain Accelerate loop
-    (:mod:`benchmarks.accelerate_loop`), "trl" through TRL's SFTTrainer (:mod:`benchmarks.trl_loop`).
+    each arm through Transformers' Trainer (:mod:`benchmarks.trainer`), "accelerate" through a plain
+    Accelerate loop (:mod:`benchmarks.accelerate_loop`), "trl" through TRL's SFTTrainer
+    (:mod:`benchmarks.trl_loop`).
     """
     from .report import format_group
 
@@ -410,8 +411,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="measured steps per launch (overrides --cycles)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per launch")
     parser.add_argument("--profile-reps", type=int, default=1, metavar="N",
-                        help="profile one extra refill cycle (sp steps) per launch in the first N repetitions (0: none; "
-                             "default 1)")
+                        help="profile one extra refill cycle (sp steps) per launch in the first N repetitions "
+                             "(0: none; default 1)")
     parser.add_argument("--model", action="append", default=[], metavar="KEY=INT",
                         help="model size override: vocab, hidden, intermediate, layers, heads, kv_heads")
     parser.add_argument("--out", default="benchmarks/results/runs.jsonl", help="JSON lines file to append to")
