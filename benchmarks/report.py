@@ -11,6 +11,10 @@ verdict is claimed only beyond the noise:
 - against a target ``t``: ``met`` when ``r + n <= t``, ``missed`` when ``r - n > t``, otherwise
   ``undecided`` (the target lies inside the noise band).
 
+A pair with a launch during which the host stole more than 5% of the machine's CPU time (a steal spell,
+:func:`benchmarks.bench.calm`; recorded since 2026-11-29) is left out of ratios, noise and work, and named
+(:func:`spell_notes`).
+
 Beside the step time, the work per step (the CPU seconds of all ranks, :func:`benchmarks.bench.launch_cpu`;
 recorded since 2026-11-29) is paired and judged against the noise arm the same way (:func:`format_work`).
 
@@ -29,11 +33,11 @@ from pathlib import Path
 
 from ds_ulysses.constants import GIB
 
-from .bench import NOISE_ARM, launch_cpu, launch_peak, launch_time, model_key, summarize
+from .bench import NOISE_ARM, STEAL_LIMIT, calm, launch_cpu, launch_peak, launch_time, model_key, summarize
 from .rank import MODEL_DEFAULTS
 
 __all__ = ["format_group", "format_run", "write_report", "ratio_rows", "noise_of", "verdict", "target_verdict",
-           "spread", "ulysses_min_bytes", "targets", "PROFILE_COLUMNS"]
+           "spell_notes", "spread", "ulysses_min_bytes", "targets", "PROFILE_COLUMNS"]
 
 STYLES = {"deepspeed": "o--", "ours-dropin": "s-", "ours": "^-", "deepspeed-alst": "d:"}  # plot line per arm
 PRODUCT_MIN_SEQ = 16384  # the product targets are stated at S = 16K and 32K
@@ -70,10 +74,7 @@ def _config(rec: dict) -> tuple:
     return rec["seq_len"], rec["sp"], rec.get("packed_docs", 0), model_key(rec.get("model"))
 
 
-def paired_launches(records: list[dict], kind: str = "step") -> dict:
-    """(name, S, sp, packed, model) -> [(launch, deepspeed launch)], one per repetition: each launch with
-    the ``deepspeed`` launch of the same run and repetition, among the launches of `kind` (``step``: the
-    engine loop; ``trainer``: the Trainer's; ``accelerate``: the plain Accelerate loop's; ``trl``: SFTTrainer's)."""
+def _every_pair(records: list[dict], kind: str) -> dict:
     runs = [r for r in records if "error" not in r and r.get("kind", "step") == kind and "rep" in r]
     base = {(r.get("run"), r["rep"], *_config(r)): r for r in runs if r["name"] == "deepspeed"}
     out: dict = {}
@@ -82,6 +83,34 @@ def paired_launches(records: list[dict], kind: str = "step") -> dict:
         if rec["name"] != "deepspeed" and ds is not None:
             out.setdefault((rec["name"], *_config(rec)), []).append((rec, ds))
     return out
+
+
+def paired_launches(records: list[dict], kind: str = "step") -> dict:
+    """(name, S, sp, packed, model) -> [(launch, deepspeed launch)], one per repetition: each launch with
+    the ``deepspeed`` launch of the same run and repetition, among the launches of `kind` (``step``: the
+    engine loop; ``trainer``: the Trainer's; ``accelerate``: the plain Accelerate loop's; ``trl``: SFTTrainer's).
+    A pair with a launch in a steal spell (:func:`benchmarks.bench.calm`) is left out (:func:`spell_notes`)."""
+    out: dict = {}
+    for key, pairs in _every_pair(records, kind).items():
+        kept = [(rec, ds) for rec, ds in pairs if calm(rec) and calm(ds)]
+        if kept:
+            out[key] = kept
+    return out
+
+
+def spell_notes(records: list[dict], kind: str = "step") -> list[str]:
+    """A sentence naming the pairs :func:`paired_launches` left out because a launch ran in a steal spell, per
+    arm and configuration, or none when no pair was."""
+    left = []
+    for (name, s, sp, packed, model), pairs in sorted(_every_pair(records, kind).items(), key=_row_order):
+        out = sum(not (calm(rec) and calm(ds)) for rec, ds in pairs)
+        if out:
+            left.append(f"{name} at {_k(s)}, sp {sp}{f', {packed} docs' if packed else ''}"
+                        f"{f', model {model}' if model else ''}: {out} of {len(pairs)}")
+    if not left:
+        return []
+    return [f"Pairs left out of the ratios, noise and work figures, as the host stole more than {STEAL_LIMIT:.0%} of "
+            f"the CPUs while one of their launches ran (a steal spell): " + "; ".join(left) + "."]
 
 
 def paired(records: list[dict], kind: str = "step") -> dict:
@@ -314,7 +343,7 @@ def _profiled(records: list[dict], kind: str) -> bool:
 def format_group(records: list[dict], kind: str = "step") -> str:
     """What ``bench`` prints after each (S, sp): the ratios, the work per step and the profile of those launches
     (where measured)."""
-    tables = [format_ratios(records, kind)]
+    tables = [format_ratios(records, kind), *spell_notes(records, kind)]
     if _worked(records, kind):
         tables.append(format_work(records, kind))
     if _profiled(records, kind):
@@ -326,7 +355,7 @@ def format_run(records: list[dict], kind: str = "step") -> str:
     """What ``bench`` prints at the end: noise, ratios, work per step and profile (where measured), every
     measurement."""
     sections = ["## Noise (DeepSpeed against itself)", format_noise(records, kind), "## Ratios",
-                format_ratios(records, kind)]
+                format_ratios(records, kind), *spell_notes(records, kind)]
     if _worked(records, kind):
         sections += ["## Work per step (CPU seconds of all ranks)", format_work(records, kind)]
     if _profiled(records, kind):
@@ -485,6 +514,7 @@ def write_report(records: list[dict], out_dir: Path) -> list[Path]:
         f"Generated by `ds-ulysses bench --report` from {len(records)} records ({_dates(records)}).",
         "## Where and at what code the records were measured", format_provenance(records),
         "## Noise: DeepSpeed against itself in the same runs", format_noise(ok),
+        *spell_notes(ok),
         "## Ratios arm / DeepSpeed (per repetition, median [min-max]; verdicts only beyond the noise)",
         format_ratios(ok),
         "## Work per step: CPU seconds of all ranks, arm / DeepSpeed (since 2026-11-29)", format_work(ok),
@@ -498,7 +528,8 @@ def write_report(records: list[dict], out_dir: Path) -> list[Path]:
     for kind, title in LOOP_TITLES.items():
         if any(r.get("kind") == kind for r in ok):
             sections += [f"## {title}: noise, ratios arm / DeepSpeed's parallelism_config path",
-                         format_noise(ok, kind), format_ratios(ok, kind), format_summary(summarize(ok, kind))]
+                         format_noise(ok, kind), *spell_notes(ok, kind),
+                         format_ratios(ok, kind), format_summary(summarize(ok, kind))]
             if _worked(ok, kind):
                 sections += ["Work per step (CPU seconds of all ranks):", format_work(ok, kind)]
             if _profiled(ok, kind):

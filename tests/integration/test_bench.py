@@ -236,6 +236,37 @@ def test_a_ratio_row_shows_the_seconds_and_bytes_of_the_launches_it_pairs():
     assert (row["ds_peak"], row["peak"], row["mem_ratio"]) == (300, 150, 0.5)
 
 
+def test_a_pair_with_a_launch_in_a_steal_spell_is_left_out_and_named():
+    def launch(name, rep, step, stolen):
+        rec = {"name": name, "run": "a", "rep": rep, "seq_len": 4096, "sp": 1, "model": {},
+               "ranks": [{"times": [step], "cpu_times": [step], "peak": 100, "steps_peak": 100, "losses": [1.0],
+                          "phases": [], "attn_forward_calls": 1,
+                          "attn_forward": {"calls": {}, "sent": {}, "off_rank": {}},
+                          "backward": {"calls": {}}, "refill": {"received": {}, "calls": {}}, "refills": 1}]}
+        return rec if stolen is None else {**rec, "stolen": stolen}
+
+    steps = {"deepspeed": [10.0, 10.0, 10.0, 10.0], NOISE_ARM: [10.2, 13.0, 9.9, 10.1],
+             "ours-dropin": [9.0, 9.1, 12.0, 8.9]}
+    # rep 1: the noise arm in a spell; rep 2: DeepSpeed's launch, so both of its pairs; rep 3: no figure (an
+    # older record) counts as calm, as does a launch at the limit
+    stolen = {0: {}, 1: {NOISE_ARM: 0.12}, 2: {"deepspeed": 0.30}, 3: {NOISE_ARM: bench.STEAL_LIMIT}}
+    records = [launch(name, rep, times[rep], stolen[rep].get(name, None if rep == 3 else 0.01))
+               for rep in range(4) for name, times in steps.items()]
+    by = {(r["rep"], r["name"]): r for r in records}
+    assert not bench.calm(by[1, NOISE_ARM]) and bench.calm(by[3, NOISE_ARM]) and bench.calm(by[3, "deepspeed"])
+    rows = {r["name"]: r for r in ratio_rows(records)}
+    assert rows[NOISE_ARM]["times"] == pytest.approx([1.02, 1.01])
+    assert rows[NOISE_ARM]["noise_time"] == pytest.approx(0.02)
+    assert rows["ours-dropin"]["times"] == pytest.approx([0.9, 0.91, 0.89]) and rows["ours-dropin"]["reps"] == 3
+    assert rows["ours-dropin"]["time_verdict"] == "faster"  # 13.0 in the noise arm would have hidden it
+    work = {line.split(" | ")[0]: line for line in report.format_work(records).splitlines()}
+    assert work["| ours-dropin"].endswith("| ±2.0% | less work | 3 |")
+    (note,) = report.spell_notes(records)
+    assert "more than 5% of the CPUs" in note
+    assert note.endswith(f"{NOISE_ARM} at 4K, sp 1: 2 of 4; ours-dropin at 4K, sp 1: 1 of 4.")
+    assert note in report.format_run(records) and report.spell_notes(records[:3]) == []
+
+
 @pytest.mark.parametrize("warm_up_fails", [False, True])
 def test_the_warm_up_launch_is_not_recorded_and_its_failure_does_not_void_the_suite(tmp_path, monkeypatch,
                                                                                      warm_up_fails):
@@ -404,8 +435,8 @@ def test_max_seq_table_compares_arms_searched_with_the_same_steps_per_probe():
     """A one-step search of DeepSpeed (records from before probes ran several steps carry no
     ``probe_steps``) is not the baseline of a three-step search of ours: each is its own row group."""
     def rec(name, max_seq, steps=None):
-        r = {"kind": "maxseq", "name": name, "budget": 2 << 30, "sp": 2, "max_seq": max_seq, "next_failed": max_seq + 1024,
-             "probes": [[max_seq, 1 << 30], [max_seq + 1024, None]], "seconds": 60.0}
+        r = {"kind": "maxseq", "name": name, "budget": 2 << 30, "sp": 2, "max_seq": max_seq,
+             "next_failed": max_seq + 1024, "probes": [[max_seq, 1 << 30], [max_seq + 1024, None]], "seconds": 60.0}
         return r if steps is None else {**r, "probe_steps": steps}
 
     table = maxseq.format_maxseq([rec("deepspeed", 8192), rec("deepspeed", 4096, 3), rec("ours", 16384, 3)])
