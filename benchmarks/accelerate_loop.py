@@ -34,7 +34,6 @@ runs after the measured ones (and after their peak is read) under ``torch.profil
 
 from __future__ import annotations
 
-import math
 import os
 import time
 
@@ -42,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from .rank import _hwm_bytes, _reset_hwm, ds_config, make_dataset, tap_library, tutorial_loss
+from .rank import _hwm_bytes, _reset_hwm, ds_config, loop_dataset, tap_library, tutorial_loss
 from .trainer import EngineClock, StepProfile, finish_arm, start_arm, tap_counts
 
 __all__ = ["run"]
@@ -64,9 +63,8 @@ def run(spec: dict) -> dict:
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), parallelism_config=pc)
     total = spec["warmup"] + spec["steps"]
     profiler = StepProfile(model, impl == "deepspeed", sp) if spec.get("profile") else None
-    refills = math.ceil((total + (sp if profiler is not None else 0)) / sp) + 1
-    data = make_dataset(int(os.environ["WORLD_SIZE"]) * refills, spec["seq_len"], model_spec["vocab"],
-                        spec.get("packed_docs", 0))
+    data = loop_dataset(spec, model_spec["vocab"], int(os.environ["WORLD_SIZE"]),
+                        total + (sp if profiler is not None else 0))
     clock = EngineClock(tap)
     tap_library(tap, deepspeed=impl == "deepspeed")
     optimizer = DummyOptim(model.parameters(), lr=config["optimizer"]["params"]["lr"])

@@ -44,8 +44,8 @@ import torch.distributed as dist
 
 from .tap import CollectiveTap
 
-__all__ = ["IMPLEMENTATIONS", "MODEL_DEFAULTS", "ds_config", "make_dataset", "build_model", "tutorial_loss",
-           "library_classes", "tap_library", "main"]
+__all__ = ["IMPLEMENTATIONS", "MODEL_DEFAULTS", "ds_config", "make_dataset", "loop_dataset", "build_model",
+           "tutorial_loss", "library_classes", "tap_library", "main"]
 
 IMPLEMENTATIONS = ("deepspeed", "ours-dropin", "ours", "deepspeed-alst")
 MODEL_DEFAULTS = {"vocab": 32000, "hidden": 256, "intermediate": 688, "layers": 4, "heads": 8, "kv_heads": 2}
@@ -85,6 +85,13 @@ def make_dataset(n: int, seq_len: int, vocab: int, packed_docs: int = 0, seed: i
                 labels[start] = -100
         out.append({"input_ids": ids, "labels": labels, "position_ids": positions})
     return out
+
+
+def loop_dataset(spec: dict, vocab: int, world: int, steps: int) -> list[dict]:
+    """The samples for ``steps`` steps of a loop: each sample feeds ``sp`` steps (one shard a step), so
+    ``ceil(steps / sp)`` refills of one sample per rank, and one refill spare."""
+    refills = math.ceil(steps / spec["sp"]) + 1
+    return make_dataset(world * refills, spec["seq_len"], vocab, spec.get("packed_docs", 0))
 
 
 def build_model(model: dict, seed: int = 0):
@@ -328,9 +335,8 @@ def run(spec: dict) -> dict:
     regions = Regions()
     model_spec = {**MODEL_DEFAULTS, **spec.get("model", {})}
     model = build_model(model_spec).train()
-    total_steps = spec["warmup"] + spec["steps"] + (spec["sp"] if spec.get("profile") else 0)
-    refills = math.ceil(total_steps / spec["sp"]) + 1
-    data = make_dataset(world * refills, spec["seq_len"], model_spec["vocab"], spec.get("packed_docs", 0))
+    data = loop_dataset(spec, model_spec["vocab"], world,
+                        spec["warmup"] + spec["steps"] + (spec["sp"] if spec.get("profile") else 0))
     impl = spec["impl"]
     engine, loader, loss_fn = RECIPES[impl](model, spec, data, tap, regions)
     regions.module(model.model, "bench.decoder")

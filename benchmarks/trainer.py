@@ -30,7 +30,6 @@ the data adapter's ``__next__``.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 import tempfile
@@ -41,7 +40,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from .profile import Regions, phase_seconds
-from .rank import MODEL_DEFAULTS, _hwm_bytes, _reset_hwm, build_model, library_classes, make_dataset, tap_library
+from .rank import MODEL_DEFAULTS, _hwm_bytes, _reset_hwm, build_model, library_classes, loop_dataset, tap_library
 from .tap import CollectiveTap
 
 __all__ = ["IMPLEMENTATIONS", "EngineClock", "StepProfile", "start_arm", "tap_counts", "finish_arm",
@@ -222,9 +221,7 @@ def train(spec: dict, loop: str, build) -> dict:
         disable_tqdm=True, train_sampling_strategy="sequential")
     clock = EngineClock(tap)
     tap_library(tap, deepspeed=impl == "deepspeed")
-    refills = math.ceil(steps_run / sp) + 1
-    data = make_dataset(int(os.environ["WORLD_SIZE"]) * refills, spec["seq_len"], model_spec["vocab"],
-                        spec.get("packed_docs", 0))
+    data = loop_dataset(spec, model_spec["vocab"], int(os.environ["WORLD_SIZE"]), steps_run)
     marks, cpu_marks, phases, losses = [], [], [], []
     # what the callbacks read: RSS high-water marks, the refill tallies after warm-up, the losses of the measured
     # steps and the profile of the refill cycle after them

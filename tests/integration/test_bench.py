@@ -185,6 +185,17 @@ def test_a_launch_counts_its_fastest_refill_cycle_of_the_slowest_ranks_steps():
     assert math.isnan(launch_time(record(2, [])))
 
 
+def test_a_loops_samples_feed_every_step_a_fresh_shard_with_one_refill_spare():
+    from benchmarks.rank import loop_dataset
+
+    for sp, world, steps, refills in [(2, 2, 5, 4), (2, 4, 4, 3), (4, 4, 9, 4), (1, 2, 3, 4)]:
+        data = loop_dataset({"sp": sp, "seq_len": 8, "packed_docs": 2}, 50, world, steps)
+        # each rank takes one sample a refill and spends it on sp steps: ceil(steps / sp) refills and one more
+        assert len(data) == world * refills
+        assert len({tuple(d["input_ids"].tolist()) for d in data}) == len(data)
+        assert all(d["input_ids"].shape == (8,) and (d["position_ids"] == 0).sum() == 2 for d in data)
+
+
 def test_a_launchs_work_is_its_ranks_cpu_seconds_summed_over_its_least_busy_refill_cycle():
     def record(sp, *rank_cpu):
         return {"sp": sp, "ranks": [{"times": [9.0] * len(c), "cpu_times": list(c)} for c in rank_cpu]}
