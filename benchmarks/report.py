@@ -85,6 +85,10 @@ def _every_pair(records: list[dict], kind: str) -> dict:
     return out
 
 
+def _calm_pair(rec: dict, ds: dict) -> bool:
+    return calm(rec) and calm(ds)
+
+
 def paired_launches(records: list[dict], kind: str = "step") -> dict:
     """(name, S, sp, packed, model) -> [(launch, deepspeed launch)], one per repetition: each launch with
     the ``deepspeed`` launch of the same run and repetition, among the launches of `kind` (``step``: the
@@ -92,7 +96,7 @@ def paired_launches(records: list[dict], kind: str = "step") -> dict:
     A pair with a launch in a steal spell (:func:`benchmarks.bench.calm`) is left out (:func:`spell_notes`)."""
     out: dict = {}
     for key, pairs in _every_pair(records, kind).items():
-        kept = [(rec, ds) for rec, ds in pairs if calm(rec) and calm(ds)]
+        kept = [pair for pair in pairs if _calm_pair(*pair)]
         if kept:
             out[key] = kept
     return out
@@ -103,7 +107,7 @@ def spell_notes(records: list[dict], kind: str = "step") -> list[str]:
     arm and configuration, or none when no pair was."""
     left = []
     for (name, s, sp, packed, model), pairs in sorted(_every_pair(records, kind).items(), key=_row_order):
-        out = sum(not (calm(rec) and calm(ds)) for rec, ds in pairs)
+        out = sum(not _calm_pair(*pair) for pair in pairs)
         if out:
             left.append(f"{name} at {_k(s)}, sp {sp}{f', {packed} docs' if packed else ''}"
                         f"{f', model {model}' if model else ''}: {out} of {len(pairs)}")
