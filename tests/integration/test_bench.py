@@ -61,10 +61,11 @@ def test_tiny_side_by_side_run_writes_the_tables(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loop,title", [  # make test runs the Trainer's; make test-long the others
+@pytest.mark.long  # make test-long: every loop; make test launches the engine loop (the tiny side-by-side run)
+@pytest.mark.parametrize("loop,title", [
     ("trainer", "Through Transformers' Trainer"),
-    pytest.param("accelerate", "In a plain Accelerate loop", marks=pytest.mark.long),
-    pytest.param("trl", "Through TRL's SFTTrainer", marks=pytest.mark.long)])
+    ("accelerate", "In a plain Accelerate loop"),
+    ("trl", "Through TRL's SFTTrainer")])
 def test_the_trainer_accelerate_and_trl_loops_run_each_arm_through_them(tmp_path, capsys, loop, title):
     """`--loop trainer`, `accelerate` and `trl`: DeepSpeed's arm through the documented parallelism_config
     without ds_ulysses loaded, ours through install() and the section, ours-dropin through install() and the
