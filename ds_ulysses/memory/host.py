@@ -5,9 +5,10 @@ its mmap threshold, which rises to 32 MiB once such a block has been freed) in i
 page to the OS only from the top of an arena. Blocks that live across steps (gradient partitions,
 optimizer state, the loader's next batch) land above the freed ones, so the freed pages stay resident:
 on CPU at 16K tokens and sp 4, after three steps 1.2 GiB of a rank's 1.8 GiB RSS is freed heap, all
-of it counted in the next step's peak, which is what the OOM killer and a host-memory budget see. ``malloc_trim(0)`` gives back every free page of every arena (``madvise``) without moving a
-live block; the call takes about 0.05 s, and the next step faults back in the pages it reuses, which is
-the rest of the cost (benchmark, 16K tokens, sp 2: peak 2.31 GiB instead of 2.82 for a step 8% longer).
+of it counted in the next step's peak, which is what the OOM killer and a host-memory budget see.
+``malloc_trim(0)`` gives back every free page of every arena (``madvise``) without moving a live block;
+the call takes about 0.05 s, and the next step faults back in the pages it reuses, which is the rest of
+the cost (benchmark, 16K tokens, sp 2: peak 2.31 GiB instead of 2.82 for a step 8% longer).
 CUDA memory is untouched (torch's caching allocator keeps its own).
 """
 
