@@ -25,8 +25,8 @@ test: $(STAMP)
 	DS_ACCELERATOR=cpu $(PY) -m pytest
 
 # What make test leaves out to stay under 20 minutes on 2 cores (marker `long`): the benchmark harness's
-# Accelerate and TRL loops and the GPU benchmark's checkpointing arm, launched as on a benchmark run
-# (about 3 minutes).
+# Trainer, Accelerate and TRL loops and the GPU benchmark's checkpointing arm, launched as on a benchmark run
+# (about 4 minutes).
 test-long: $(STAMP)
 	DS_ACCELERATOR=cpu $(PY) -m pytest -m long
 

@@ -11,8 +11,8 @@ verdict is claimed only beyond the noise:
 - against a target ``t``: ``met`` when ``r + n <= t``, ``missed`` when ``r - n > t``, otherwise
   ``undecided`` (the target lies inside the noise band).
 
-A pair with a launch during which the host stole more than 5% of the machine's CPU time (a steal spell,
-:func:`benchmarks.bench.calm`; recorded since 2026-11-29) is left out of ratios, noise and work, and named
+A pair with a launch during which the host stole more than :data:`benchmarks.bench.STEAL_LIMIT` of the
+machine's CPU time (a steal spell, :func:`benchmarks.bench.calm`; recorded since 2026-11-29) is left out of ratios, noise and work, and named
 (:func:`spell_notes`).
 
 Beside the step time, the work per step (the CPU seconds of all ranks, :func:`benchmarks.bench.launch_cpu`;
