@@ -1182,10 +1182,10 @@ def main(argv=None) -> int:
     import transformers
 
     bar = (f"Exact: loss rel <= {LOSS_TOL:g} and every gradient rel <= {GRAD_TOL:g}." if args.dtype == "fp32" else
-           f"The engine in {args.dtype} against the fp32 reference, exact when its loss rel <= max({LOW_LOSS_FACTOR:g} x "
-           f"the unsharded {args.dtype} model's, {LOW_LOSS_FLOOR:g}) and each gradient rel <= max({LOW_GRAD_FACTOR:g} x "
-           f"the unsharded {args.dtype} model's for that parameter, {LOW_GRAD_FLOOR:g}; below {LOW_NORM_FLOOR:g} of "
-           "the model's gradient norm, relative to that).")
+           f"The engine in {args.dtype} against the fp32 reference, exact when its loss rel <= "
+           f"max({LOW_LOSS_FACTOR:g} x the unsharded {args.dtype} model's, {LOW_LOSS_FLOOR:g}) and each gradient "
+           f"rel <= max({LOW_GRAD_FACTOR:g} x the unsharded {args.dtype} model's for that parameter, "
+           f"{LOW_GRAD_FLOOR:g}; below {LOW_NORM_FLOOR:g} of the model's gradient norm, relative to that).")
     header = (f"Transformers {transformers.__version__}, torch {torch.__version__}; {len(names)} model types and "
               f"variants swept, {len(skipped)} model types left out before building; {took:.0f} s on "
               f"{os.cpu_count()} cores. {bar} "

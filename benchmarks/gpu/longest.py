@@ -159,7 +159,8 @@ def allocator_counts() -> dict:
 
     host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
     device = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
-    return {"pinned_allocs": host.get("num_host_alloc", 0), "pinned_alloc_s": host.get("host_alloc_time.total", 0) / 1e6,
+    return {"pinned_allocs": host.get("num_host_alloc", 0),
+            "pinned_alloc_s": host.get("host_alloc_time.total", 0) / 1e6,
             "cuda_mallocs": device.get("num_device_alloc", 0), "alloc_retries": device.get("num_alloc_retries", 0)}
 
 

@@ -325,7 +325,8 @@ def _fp16_update_over_grad(rank, world_size, stage, fp16):
     return ((before.flatten() - after.detach().float().flatten()).norm() / ref.weight.grad.norm()).item()
 
 
-@pytest.mark.parametrize("stage,fp16,ratio", [(0, {"initial_scale_power": 8}, 1 / 256), (0, {"loss_scale": 128}, 1 / 128),
+@pytest.mark.parametrize("stage,fp16,ratio", [(0, {"initial_scale_power": 8}, 1 / 256),
+                                              (0, {"loss_scale": 128}, 1 / 128),
                                               (0, {"loss_scale": 1}, 1.0), (1, {"initial_scale_power": 8}, 1.0)])
 def test_deepspeed_s_fp16_at_zero_stage_0_divides_an_unscaled_gradient(stage, fp16, ratio):
     """The premise of check_fp16_loss_scaling, measured on plain DeepSpeed: at ZeRO-0 the update is

@@ -93,7 +93,8 @@ def flash_standin(module, query, key, value, attention_mask, dropout=0.0, scalin
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
     if s_aux is not None:
         if tuple(s_aux.shape) != (hc,):
-            raise AssertionError(f"s_aux must hold one sink per query head at the call [{hc}], got {tuple(s_aux.shape)}")
+            raise AssertionError(
+                f"s_aux must hold one sink per query head at the call [{hc}], got {tuple(s_aux.shape)}")
         scores = torch.cat([scores, s_aux.view(1, hc, 1, 1).expand(bs, hc, sl, 1).to(scores.dtype)], dim=-1)
     probs = torch.softmax(scores, dim=-1)[..., :sl]
     return (probs @ value).transpose(1, 2), None

@@ -441,7 +441,8 @@ def _positions_from_the_model_call(rank, world_size):
     from tests.architectures import build
 
     base = build("gpt_bigcode")
-    positions = [torch.cat([torch.arange(10), torch.arange(22)])[None], torch.cat([torch.arange(23), torch.arange(9)])[None]]
+    positions = [torch.cat([torch.arange(10), torch.arange(22)])[None],
+                 torch.cat([torch.arange(23), torch.arange(9)])[None]]
     samples = []
     for seed, pos in enumerate(positions):
         ids = torch.randint(0, 64, (1, 32), generator=torch.Generator().manual_seed(seed))
