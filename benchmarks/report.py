@@ -12,8 +12,10 @@ verdict is claimed only beyond the noise:
   ``undecided`` (the target lies inside the noise band).
 
 A pair with a launch during which the host stole more than :data:`benchmarks.bench.STEAL_LIMIT` of the
-machine's CPU time (a steal spell, :func:`benchmarks.bench.calm`; recorded since 2026-11-29) is left out of ratios, noise and work, and named
-(:func:`spell_notes`).
+machine's CPU time (a steal spell, :func:`benchmarks.bench.calm`; recorded since 2026-11-29) is left out
+of ratios, noise and work, and named (:func:`spell_notes`). A launch from before carries no figure and
+counts as calm, so the report also judges each configuration on its screened launches alone
+(:func:`screened`), beside the pooled tables.
 
 Beside the step time, the work per step (the CPU seconds of all ranks, :func:`benchmarks.bench.launch_cpu`;
 recorded since 2026-11-29) is paired and judged against the noise arm the same way (:func:`format_work`).
@@ -37,7 +39,7 @@ from .bench import NOISE_ARM, STEAL_LIMIT, calm, launch_cpu, launch_peak, launch
 from .rank import MODEL_DEFAULTS
 
 __all__ = ["format_group", "format_run", "write_report", "ratio_rows", "noise_of", "verdict", "target_verdict",
-           "spell_notes", "spread", "ulysses_min_bytes", "targets", "PROFILE_COLUMNS"]
+           "spell_notes", "screened", "spread", "ulysses_min_bytes", "targets", "PROFILE_COLUMNS"]
 
 STYLES = {"deepspeed": "o--", "ours-dropin": "s-", "ours": "^-", "deepspeed-alst": "d:"}  # plot line per arm
 PRODUCT_MIN_SEQ = 16384  # the product targets are stated at S = 16K and 32K
@@ -115,6 +117,13 @@ def spell_notes(records: list[dict], kind: str = "step") -> list[str]:
         return []
     return [f"Pairs left out of the ratios, noise and work figures, as the host stole more than {STEAL_LIMIT:.0%} of "
             f"the CPUs while one of their launches ran (a steal spell): " + "; ".join(left) + "."]
+
+
+def screened(records: list[dict]) -> list[dict]:
+    """The launches that recorded the host's stolen share (since 2026-11-29): the only ones a steal spell can
+    be told in. An older launch counts as calm (:func:`benchmarks.bench.calm`) but may have run in a spell, so
+    a configuration judged on these alone has its ratios and its noise equally free of one."""
+    return [r for r in records if r.get("stolen") is not None]
 
 
 def paired(records: list[dict], kind: str = "step") -> dict:
@@ -503,6 +512,17 @@ def _dates(records: list[dict]) -> str:
     return f"{dates[0]} to {dates[-1]}" if dates else "unknown dates"
 
 
+def _screened_sections(records: list[dict], kind: str = "step") -> list[str]:
+    """The noise and ratio tables again over :func:`screened` launches alone, where `kind` has any pair of them."""
+    calm_only = screened(records)
+    if not paired(calm_only, kind):
+        return []
+    return ["Screened launches only (those that recorded the stolen share, since 2026-11-29): the same noise and "
+            "ratios from them alone. Each launch above without the figure counts as calm but may have run in a steal "
+            "spell; here a configuration's ratios and its noise come from the same screened repetitions.",
+            format_noise(calm_only, kind), format_ratios(calm_only, kind)]
+
+
 def write_report(records: list[dict], out_dir: Path) -> list[Path]:
     """``results.md`` (every table) plus the plots in ``out_dir``."""
     from .maxseq import format_maxseq, plot_maxseq
@@ -521,6 +541,7 @@ def write_report(records: list[dict], out_dir: Path) -> list[Path]:
         *spell_notes(ok),
         "## Ratios arm / DeepSpeed (per repetition, median [min-max]; verdicts only beyond the noise)",
         format_ratios(ok),
+        *_screened_sections(ok),
         "## Work per step: CPU seconds of all ranks, arm / DeepSpeed (since 2026-11-29)", format_work(ok),
         "## Seconds per phase and step (the profiled steps of each launch of the first repetition)",
         format_profile(ok),
@@ -533,7 +554,7 @@ def write_report(records: list[dict], out_dir: Path) -> list[Path]:
         if any(r.get("kind") == kind for r in ok):
             sections += [f"## {title}: noise, ratios arm / DeepSpeed's parallelism_config path",
                          format_noise(ok, kind), *spell_notes(ok, kind),
-                         format_ratios(ok, kind), format_summary(summarize(ok, kind))]
+                         format_ratios(ok, kind), *_screened_sections(ok, kind), format_summary(summarize(ok, kind))]
             if _worked(ok, kind):
                 sections += ["Work per step (CPU seconds of all ranks):", format_work(ok, kind)]
             if _profiled(ok, kind):

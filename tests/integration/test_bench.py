@@ -249,15 +249,17 @@ def test_a_ratio_row_shows_the_seconds_and_bytes_of_the_launches_it_pairs():
     assert (row["ds_peak"], row["peak"], row["mem_ratio"]) == (300, 150, 0.5)
 
 
-def test_a_pair_with_a_launch_in_a_steal_spell_is_left_out_and_named():
-    def launch(name, rep, step, stolen):
-        rec = {"name": name, "run": "a", "rep": rep, "seq_len": 4096, "sp": 1, "model": {},
-               "ranks": [{"times": [step], "cpu_times": [step], "peak": 100, "steps_peak": 100, "losses": [1.0],
-                          "phases": [], "attn_forward_calls": 1,
-                          "attn_forward": {"calls": {}, "sent": {}, "off_rank": {}},
-                          "backward": {"calls": {}}, "refill": {"received": {}, "calls": {}}, "refills": 1}]}
-        return rec if stolen is None else {**rec, "stolen": stolen}
+def _step_launch(name, rep, step, stolen, run="a"):
+    """An engine-loop launch record of one rank: one step of `step` s; `stolen` None as before 2026-11-29."""
+    rec = {"name": name, "run": run, "rep": rep, "seq_len": 4096, "sp": 1, "model": {},
+           "ranks": [{"times": [step], "cpu_times": [step], "peak": 100, "steps_peak": 100, "losses": [1.0],
+                      "phases": [], "attn_forward_calls": 1, "attn_forward": {"calls": {}, "sent": {}, "off_rank": {}},
+                      "backward": {"calls": {}}, "refill": {"received": {}, "calls": {}}, "refills": 1}]}
+    return rec if stolen is None else {**rec, "stolen": stolen}
 
+
+def test_a_pair_with_a_launch_in_a_steal_spell_is_left_out_and_named():
+    launch = _step_launch
     steps = {"deepspeed": [10.0, 10.0, 10.0, 10.0], NOISE_ARM: [10.2, 13.0, 9.9, 10.1],
              "ours-dropin": [9.0, 9.1, 12.0, 8.9]}
     # rep 1: the noise arm in a spell; rep 2: DeepSpeed's launch, so both of its pairs; rep 3: no figure (an
@@ -278,6 +280,25 @@ def test_a_pair_with_a_launch_in_a_steal_spell_is_left_out_and_named():
     assert "more than 5% of the CPUs" in note
     assert note.endswith(f"{NOISE_ARM} at 4K, sp 1: 2 of 4; ours-dropin at 4K, sp 1: 1 of 4.")
     assert note in report.format_run(records) and report.spell_notes(records[:3]) == []
+
+
+def test_the_screened_tables_judge_a_configuration_on_the_launches_that_recorded_the_stolen_share(tmp_path):
+    steps = {"deepspeed": 10.0, NOISE_ARM: 10.1, "ours": 8.5}
+    # run "a" predates the figure: its noise-arm pair 30% off (a spell nobody could see) widens the pooled noise
+    older = [_step_launch(name, 0, 13.0 if name == NOISE_ARM else step, None) for name, step in steps.items()]
+    newer = [_step_launch(name, rep, step * (1 + rep / 100), 0.01, run="b")
+             for rep in range(3) for name, step in steps.items()]
+    pooled = {r["name"]: r for r in ratio_rows(older + newer)}
+    assert pooled["ours"]["noise_time"] == pytest.approx(0.3) and pooled["ours"]["time_verdict"] == "same within noise"
+    assert report.screened(older + newer) == newer
+    alone = {r["name"]: r for r in ratio_rows(report.screened(older + newer))}
+    assert alone["ours"]["noise_time"] == pytest.approx(0.01) and alone["ours"]["reps"] == 3
+    assert alone["ours"]["time_verdict"] == "faster"
+    (text, noise, ratios) = report._screened_sections(older + newer)
+    assert "since 2026-11-29" in text and noise == report.format_noise(newer) and ratios == report.format_ratios(newer)
+    assert report._screened_sections(older) == []  # nothing screened: no section
+    report.write_report(older + newer, tmp_path)
+    assert ratios in (tmp_path / "results.md").read_text()
 
 
 @pytest.mark.parametrize("warm_up_fails", [False, True])
