@@ -43,7 +43,7 @@ from ds_ulysses.constants import GIB
 from ds_ulysses.planner import parse_size
 
 __all__ = ["add_arguments", "run_command", "main", "launch", "OverBudget", "run_suite", "run_layer_suite", "summarize",
-           "impl_name", "arms", "parse_bytes", "launch_time", "launch_cpu", "launch_peak", "calm", "stamp", "NOISE_ARM",
+           "impl_name", "arms", "parse_bytes", "launch_time", "launch_cpu", "launch_faults", "launch_peak", "calm", "stamp", "NOISE_ARM",
            "STEAL_LIMIT", "TILED_OPS"]
 
 _IMPLS = ("deepspeed", "ours-dropin", "ours", "deepspeed-alst")
@@ -208,6 +208,15 @@ def launch_cpu(record: dict) -> float | None:
     return _fastest_cycle([sum(t) for t in zip(*(r["cpu_times"] for r in record["ranks"]))], record.get("sp", 1))
 
 
+def launch_faults(record: dict) -> float | None:
+    """A launch's minor page faults per step, all ranks together (median over its measured steps): the pages
+    a step touched fresh, each a trip through the guest's kernel that both libraries' allocations pay alike.
+    None for a record measured before ranks counted them (2026-11-29 09:05)."""
+    if not all("minor_faults" in r for r in record["ranks"]):
+        return None
+    return statistics.median(sum(f) for f in zip(*(r["minor_faults"] for r in record["ranks"])))
+
+
 def calm(record: dict) -> bool:
     """Whether a launch ran outside a steal spell: the host took at most :data:`STEAL_LIMIT` of the machine's CPU
     time while it ran. A spell slowed identical steps by 22-41% here while their work moved 5-7%, so a ratio over
@@ -322,6 +331,7 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
                     group.append(record)
                     log(f"{name:>24} S={seq_len:>6} sp={sp} packed={packed_docs} rep={rep}: "
                         f"step {launch_time(record):.2f}s, work {launch_cpu(record):.2f} CPU s, "
+                        f"faults {launch_faults(record) / 1e6:.2f}M/step, "
                         f"peak {launch_peak(record) / GIB:.2f} GiB, launch {record['wall']:.0f}s, "
                         f"load {record['load_before']:.1f}->{record['load_after']:.1f}, "
                         f"stolen {record['stolen']:.1%}"

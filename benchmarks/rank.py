@@ -279,6 +279,12 @@ def tap_phase(tap) -> str:
     return getattr(tap, "phase", "other")
 
 
+def _minor_faults() -> int:
+    """Page faults this process took without I/O (every thread): a fresh page's first touch, which a
+    Firecracker guest pays dearly for (see README, trim_host_heap)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _hwm_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -342,7 +348,7 @@ def run(spec: dict) -> dict:
     regions.module(model.model, "bench.decoder")
     init_peak = _hwm_bytes()
     reset_ok = _reset_hwm()
-    times, cpu_times, phases, losses, step_peaks = [], [], [], [], []
+    times, cpu_times, faults, phases, losses, step_peaks = [], [], [], [], [], []
     refill = ({}, 0)
     for i in range(spec["warmup"] + spec["steps"]):
         measured = i >= spec["warmup"]
@@ -350,20 +356,22 @@ def run(spec: dict) -> dict:
             refill = tap.scope_totals("refill")
             tap.reset()
         dist.barrier()
-        cpu = time.process_time()
+        cpu, minflt = time.process_time(), _minor_faults()
         loss, split = _step(engine, loader, loss_fn, tap)
-        cpu = time.process_time() - cpu
+        cpu, minflt = time.process_time() - cpu, _minor_faults() - minflt
         losses.append(float(loss.detach()))
         step_peaks.append(_hwm_bytes())
         if measured:
             times.append(sum(split))
             cpu_times.append(cpu)
+            faults.append(minflt)
             phases.append(split)
     if spec["warmup"] == 0:
         refill = tap.scope_totals("refill")
     steps_peak = _hwm_bytes()
     result = {
-        "rank": rank, "world": world, "times": times, "cpu_times": cpu_times, "phases": phases, "losses": losses,
+        "rank": rank, "world": world, "times": times, "cpu_times": cpu_times, "minor_faults": faults,
+        "phases": phases, "losses": losses,
         "step_peaks": step_peaks, "init_peak": init_peak, "steps_peak": steps_peak if reset_ok else None,
         "peak": max(init_peak, steps_peak),
         "attn_forward": tap.tallies["attn_forward"].as_dict(), "attn_forward_calls": tap.counts["attn_forward"],

@@ -36,6 +36,10 @@ def test_tiny_side_by_side_run_writes_the_tables(tmp_path, capsys):
     assert [r["name"] for r in records] == ["deepspeed", NOISE_ARM, "ours"]
     assert all(r["machine"] == bench.machine() and r["commit"] == bench.commit() for r in records)
     assert all(0 <= r["stolen"] <= 1 for r in records)  # the host's share of the CPUs while each launch ran
+    # minor page faults per measured step and rank, summed over the ranks per step in the launch line
+    assert all(len(k["minor_faults"]) == len(k["times"]) for r in records for k in r["ranks"])
+    assert bench.launch_faults(records[0]) == sum(k["minor_faults"][0] for k in records[0]["ranks"])
+    assert f"faults {bench.launch_faults(records[-1]) / 1e6:.2f}M/step" in printed
     losses = {r["name"]: r["ranks"][0]["losses"][0] for r in records}
     assert losses["ours"] == pytest.approx(losses["deepspeed"], rel=1e-5)  # same model, same samples
     assert losses[NOISE_ARM] == losses["deepspeed"]
