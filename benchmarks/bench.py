@@ -43,8 +43,8 @@ from ds_ulysses.constants import GIB
 from ds_ulysses.planner import parse_size
 
 __all__ = ["add_arguments", "run_command", "main", "launch", "OverBudget", "run_suite", "run_layer_suite", "summarize",
-           "impl_name", "arms", "parse_bytes", "launch_time", "launch_cpu", "launch_faults", "launch_peak", "calm", "stamp", "NOISE_ARM",
-           "STEAL_LIMIT", "TILED_OPS"]
+           "impl_name", "arms", "parse_bytes", "launch_time", "launch_cpu", "launch_faults", "launch_peak", "calm",
+           "stamp", "NOISE_ARM", "STEAL_LIMIT", "TILED_OPS"]
 
 _IMPLS = ("deepspeed", "ours-dropin", "ours", "deepspeed-alst")
 LOOPS = {"engine": "step", "trainer": "trainer", "accelerate": "accelerate", "trl": "trl"}  # --loop -> records' kind
