@@ -25,10 +25,10 @@ optimizer, so the loop's optimizer is Accelerate's ``DummyOptim``):
 
 A step is one turn of the loop, after a barrier: the next batch (the adapter), the forward with the loss,
 ``accelerator.backward`` (which runs DeepSpeed's ``backward`` and ``step``), ``optimizer.step`` and
-``optimizer.zero_grad``; ``cpu_times`` is the process's CPU time over it. ``phases`` split it as
-:mod:`benchmarks.trainer` does, around the engine's own methods. Memory is the RSS high-water mark, reset
-after ``prepare`` (the engine is built by then). With ``spec["profile"]`` one more refill cycle (sp steps)
-runs after the measured ones (and after their peak is read) under ``torch.profiler``
+``optimizer.zero_grad``; ``cpu_times`` is the process's CPU time over it, ``minor_faults`` its minor page
+faults. ``phases`` split it as :mod:`benchmarks.trainer` does, around the engine's own methods. Memory is the
+RSS high-water mark, reset after ``prepare`` (the engine is built by then). With ``spec["profile"]`` one more
+refill cycle (sp steps) runs after the measured ones (and after their peak is read) under ``torch.profiler``
 (:class:`benchmarks.trainer.StepProfile`; ``bench.forward`` is the loop's loss computation).
 """
 
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from .rank import _hwm_bytes, _reset_hwm, ds_config, loop_dataset, tap_library, tutorial_loss
+from .rank import _hwm_bytes, _minor_faults, _reset_hwm, ds_config, loop_dataset, tap_library, tutorial_loss
 from .trainer import EngineClock, StepProfile, finish_arm, start_arm, tap_counts
 
 __all__ = ["run"]
@@ -94,23 +94,24 @@ def run(spec: dict) -> dict:
         optimizer.zero_grad()
         return loss
 
-    times, cpu_times, phases, losses, step_peaks = [], [], [], [], []
+    times, cpu_times, faults, phases, losses, step_peaks = [], [], [], [], [], []
     refill = ({}, 0)
     for i in range(total):
         if i == spec["warmup"]:
             refill = tap.scope_totals("refill")
             tap.reset()
         dist.barrier()
-        begin, cpu = time.perf_counter(), time.process_time()
+        begin, cpu, minflt = time.perf_counter(), time.process_time(), _minor_faults()
         tap.phase = "load"
         loss = step()
-        seconds, cpu = time.perf_counter() - begin, time.process_time() - cpu
+        seconds, cpu, minflt = time.perf_counter() - begin, time.process_time() - cpu, _minor_faults() - minflt
         split = clock.take()
         losses.append(float(loss.detach()))
         step_peaks.append(_hwm_bytes())
         if i >= spec["warmup"]:
             times.append(seconds)
             cpu_times.append(cpu)
+            faults.append(minflt)
             phases.append([seconds - sum(split), *split])
     if spec["warmup"] == 0:
         refill = tap.scope_totals("refill")
@@ -124,6 +125,7 @@ def run(spec: dict) -> dict:
             profile["profile"] = profiler.step_end()  # None until the cycle's last step
     clock.uninstall()
     return finish_arm(tap, "accelerate", {
-        "times": times, "cpu_times": cpu_times, "phases": phases, "losses": losses, "step_peaks": step_peaks,
+        "times": times, "cpu_times": cpu_times, "minor_faults": faults, "phases": phases, "losses": losses,
+        "step_peaks": step_peaks,
         "init_peak": init_peak, "steps_peak": steps_peak if reset_ok else None, "peak": max(init_peak, steps_peak),
         "refill": refill[0], "refills": refill[1], **profile}, counted)

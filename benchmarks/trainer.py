@@ -15,16 +15,16 @@ model, samples and ZeRO-3 + CPU offload config (its batch fields left to the Tra
   The mechanism alone (our attention, adapter and SP loss, DeepSpeed's untiled loss) is ``ours`` with the
   variant ``{"tiled_loss": {"enabled": false}, "trim_host_heap": false}``.
 
-A step is what the Trainer's loop does between two ``on_step_end`` callbacks (each after a barrier):
-fetching the batch (the adapter), the step's token count, forward, backward, the optimizer step and the
-Trainer's bookkeeping; ``cpu_times`` is the process's CPU time over the same span. ``phases`` split it as
-:mod:`benchmarks.rank` does: the engine's ``forward``, ``backward`` and ``step`` as timed around DeepSpeed's
-own methods, and the rest (the adapter and the Trainer) first. Memory is the RSS high-water mark, reset when
-training begins (the engine is built by then), as :mod:`benchmarks.rank` resets it after its setup. With
-``spec["profile"]`` one more refill cycle (sp steps) runs after the measured ones (and after their peak is
-read) under ``torch.profiler`` with the regions of :mod:`benchmarks.profile` (:class:`StepProfile`):
-``bench.forward`` is the Trainer's ``compute_loss`` (forward, head and the Trainer's SP loss), ``bench.adapter``
-the data adapter's ``__next__``.
+A step is what the Trainer's loop does between two ``on_step_end`` callbacks (each after a barrier): fetching
+the batch (the adapter), the step's token count, forward, backward, the optimizer step and the Trainer's
+bookkeeping; ``cpu_times`` is the process's CPU time over the same span, ``minor_faults`` its minor page
+faults. ``phases`` split it as :mod:`benchmarks.rank` does: the engine's ``forward``, ``backward`` and
+``step`` as timed around DeepSpeed's own methods, and the rest (the adapter and the Trainer) first. Memory is
+the RSS high-water mark, reset when training begins (the engine is built by then), as :mod:`benchmarks.rank`
+resets it after its setup. With ``spec["profile"]`` one more refill cycle (sp steps) runs after the measured
+ones (and after their peak is read) under ``torch.profiler`` with the regions of :mod:`benchmarks.profile`
+(:class:`StepProfile`): ``bench.forward`` is the Trainer's ``compute_loss`` (forward, head and the Trainer's
+SP loss), ``bench.adapter`` the data adapter's ``__next__``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from .profile import Regions, phase_seconds
-from .rank import MODEL_DEFAULTS, _hwm_bytes, _reset_hwm, build_model, library_classes, loop_dataset, tap_library
+from .rank import (MODEL_DEFAULTS, _hwm_bytes, _minor_faults, _reset_hwm, build_model, library_classes, loop_dataset,
+                   tap_library)
 from .tap import CollectiveTap
 
 __all__ = ["IMPLEMENTATIONS", "EngineClock", "StepProfile", "start_arm", "tap_counts", "finish_arm",
@@ -222,7 +223,7 @@ def train(spec: dict, loop: str, build) -> dict:
     clock = EngineClock(tap)
     tap_library(tap, deepspeed=impl == "deepspeed")
     data = loop_dataset(spec, model_spec["vocab"], int(os.environ["WORLD_SIZE"]), steps_run)
-    marks, cpu_marks, phases, losses = [], [], [], []
+    marks, cpu_marks, fault_marks, phases, losses = [], [], [], [], []
     # what the callbacks read: RSS high-water marks, the refill tallies after warm-up, the losses of the measured
     # steps and the profile of the refill cycle after them
     seen = {"step_peaks": []}
@@ -235,6 +236,7 @@ def train(spec: dict, loop: str, build) -> dict:
             dist.barrier()
             marks.append(time.perf_counter())
             cpu_marks.append(time.process_time())
+            fault_marks.append(_minor_faults())
             tap.phase = "load"
 
         def on_step_end(self, *_, **__):
@@ -251,6 +253,7 @@ def train(spec: dict, loop: str, build) -> dict:
             dist.barrier()
             marks.append(time.perf_counter())
             cpu_marks.append(time.process_time())
+            fault_marks.append(_minor_faults())
             if len(marks) == spec["warmup"] + 1:
                 seen["refill"] = tap.scope_totals("refill")
                 tap.reset()
@@ -275,13 +278,15 @@ def train(spec: dict, loop: str, build) -> dict:
     out_dir.cleanup()
     times = [b - a for a, b in zip(marks, marks[1:])]
     cpu_times = [b - a for a, b in zip(cpu_marks, cpu_marks[1:])]
+    faults = [b - a for a, b in zip(fault_marks, fault_marks[1:])]
     measured = slice(spec["warmup"], None)
     split = [[t - sum(p), *p] for t, p in zip(times, phases)]
     refill = seen.get("refill", tap.scope_totals("refill"))
     steps_peak = seen.get("steps_peak") or _hwm_bytes()
     profile = {"profile": seen["profile"]} if "profile" in seen else {}
     return finish_arm(tap, loop, {
-        "times": times[measured], "cpu_times": cpu_times[measured], "phases": split[measured],
+        "times": times[measured], "cpu_times": cpu_times[measured], "minor_faults": faults[measured],
+        "phases": split[measured],
         "losses": losses[:seen.get("losses")], "step_peaks": seen["step_peaks"], "init_peak": seen["init_peak"],
         "steps_peak": steps_peak if seen["reset"] else None, "peak": max(seen["init_peak"], steps_peak),
         "refill": refill[0], "refills": refill[1], **profile}, seen.get("counted"))

@@ -89,6 +89,7 @@ def test_the_trainer_accelerate_and_trl_loops_run_each_arm_through_them(tmp_path
         assert all(r["ds_ulysses_loaded"] == (name != "deepspeed") for r in ranks), name
         assert all(len(r["times"]) == 2 and len(r["phases"][0]) == 4 and r["attn_forward_calls"] == 4 for r in ranks)
         assert all(len(r["cpu_times"]) == 2 and min(r["cpu_times"]) > 0 for r in ranks), name
+        assert all(len(r["minor_faults"]) == 2 for r in ranks), name
         assert ranks[0]["losses"] == pytest.approx(records["deepspeed"]["ranks"][0]["losses"], rel=1e-5), name
         # the profiled refill cycle (steps 3 and 4), after the measured two (neither their losses nor their counts
         # hold it): the regions sit where the engine loop's do, so each phase ran, ZeRO's rest of the backward aside
