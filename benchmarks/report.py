@@ -513,9 +513,11 @@ def _dates(records: list[dict]) -> str:
 
 
 def _screened_sections(records: list[dict], kind: str = "step") -> list[str]:
-    """The noise and ratio tables again over :func:`screened` launches alone, where `kind` has any pair of them."""
+    """The noise and ratio tables again over :func:`screened` launches alone, where `kind` has pairs of them and
+    launches without the figure too (when every launch is screened, they would repeat the tables above)."""
     calm_only = screened(records)
-    if not paired(calm_only, kind):
+    calm_pairs = paired(calm_only, kind)
+    if not calm_pairs or calm_pairs == paired(records, kind):
         return []
     return ["Screened launches only (those that recorded the stolen share, since 2026-11-29): the same noise and "
             "ratios from them alone. Each launch above without the figure counts as calm but may have run in a steal "

@@ -302,6 +302,7 @@ def test_the_screened_tables_judge_a_configuration_on_the_launches_that_recorded
     (text, noise, ratios) = report._screened_sections(older + newer)
     assert "since 2026-11-29" in text and noise == report.format_noise(newer) and ratios == report.format_ratios(newer)
     assert report._screened_sections(older) == []  # nothing screened: no section
+    assert report._screened_sections(newer) == []  # everything screened: the tables above already are
     report.write_report(older + newer, tmp_path)
     assert ratios in (tmp_path / "results.md").read_text()
 
