@@ -44,7 +44,8 @@ from ds_ulysses.planner import parse_size
 
 __all__ = ["add_arguments", "run_command", "main", "launch", "OverBudget", "run_suite", "run_layer_suite", "summarize",
            "impl_name", "arms", "parse_bytes", "launch_time", "launch_cpu", "launch_faults", "launch_peak", "calm",
-           "stamp", "NOISE_ARM", "STEAL_LIMIT", "TILED_OPS"]
+           "stamp", "setup_key", "NOISE_ARM", "STEAL_LIMIT", "TILED_OPS", "ALLOCATOR_ENV",
+           "HARNESS_ENV"]
 
 _IMPLS = ("deepspeed", "ours-dropin", "ours", "deepspeed-alst")
 LOOPS = {"engine": "step", "trainer": "trainer", "accelerate": "accelerate", "trl": "trl"}  # --loop -> records' kind
@@ -53,6 +54,14 @@ NOISE_ARM = "deepspeed[again]"
 # report leaves out the pairs it enters (:func:`calm`). Calm launches here stole 0.1-2.2%, spells 5.7-31.7% (2026-11-29)
 STEAL_LIMIT = 0.05
 TILED_OPS = ("tiled_mlp", "stc_mlp", "stc_loss", "fused_loss")  # --tiled-iters' operations (benchmarks.tiled)
+# The memory allocator's settings a launch inherits: each record names those set (``host_env``), and launches run
+# with different ones are different configurations in the report (:func:`setup_key`). On this kind of machine they
+# move a step's CPU work by 10-17% (page faults, 2026-11-29), more than the differences measured between arms
+ALLOCATOR_ENV = ("THP_MEM_ALLOC_ENABLE", "GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_",
+                 "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_TRIM_THRESHOLD_")
+# what launch() sets for every rank itself: --host-env cannot override these
+HARNESS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PYTHONPATH",
+               "DS_ACCELERATOR", "OMP_NUM_THREADS")
 
 
 def impl_name(impl: str, variant: str | None) -> str:
@@ -120,7 +129,8 @@ def _hwm_of(pid: int) -> int:
 
 
 def launch(spec: dict, world: int, workdir: Path, timeout: float = 1800.0, rss_limit: int | None = None) -> list[dict]:
-    """Run one implementation on ``world`` fresh processes; return every rank's measurements.
+    """Run one implementation on ``world`` fresh processes; return every rank's measurements. The ranks inherit
+    this process's environment with ``spec["host_env"]`` (names to values) set on top.
 
     With ``rss_limit`` (bytes), the ranks are stopped as soon as one's RSS high-water mark passes it
     (read from ``/proc``, so no spike between two looks is missed), raising :class:`OverBudget`.
@@ -134,7 +144,7 @@ def launch(spec: dict, world: int, workdir: Path, timeout: float = 1800.0, rss_l
     path_env = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     procs, logs = [], []
     for rank in range(world):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        env = {**os.environ, **spec.get("host_env", {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
                "PYTHONPATH": path_env, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(spec.get("threads", 1))}
         log = open(f"{path}.rank{rank}.log", "w")
@@ -271,7 +281,7 @@ def stamp() -> dict:
 def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, out: Path, packed_docs: int = 0,
               model: dict | None = None, variants: dict | None = None, timeout: float = 1800.0,
               noise: bool = True, profile_reps: int = 1, cycles: int = 1, warm_up: bool = True,
-              log=print, loop: str = "engine") -> list[dict]:
+              log=print, loop: str = "engine", host_env: dict | None = None) -> list[dict]:
     """Every (S, sp) with every arm, ``reps`` rotations; each launch appended to ``out``.
 
     With ``warm_up``, one launch of the first arm and configuration runs first and is not recorded:
@@ -282,7 +292,8 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
     one adapter refill cycle (sp steps) per launch (:mod:`benchmarks.profile`). ``loop`` "trainer" trains
     each arm through Transformers' Trainer (:mod:`benchmarks.trainer`), "accelerate" through a plain
     Accelerate loop (:mod:`benchmarks.accelerate_loop`), "trl" through TRL's SFTTrainer
-    (:mod:`benchmarks.trl_loop`).
+    (:mod:`benchmarks.trl_loop`). ``host_env`` (names to values) is set in every rank of every arm; each record
+    names it beside the :data:`ALLOCATOR_ENV` settings the ranks inherit (``host_env``).
     """
     from .report import format_group
 
@@ -290,11 +301,12 @@ def run_suite(seq_lens, sps, impls, reps: int, steps: int | None, warmup: int, o
     run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
     records = []
     out.parent.mkdir(parents=True, exist_ok=True)
+    ranks_env = {**{name: os.environ[name] for name in ALLOCATOR_ENV if name in os.environ}, **(host_env or {})}
 
     def spec_of(impl, seq_len, sp, section, profile):
         return {"impl": impl, "loop": loop, "seq_len": seq_len, "sp": sp, "steps": steps or cycles * sp,
                 "warmup": warmup, "packed_docs": packed_docs, "model": model or {}, "section": section,
-                "profile": profile}
+                "profile": profile, "host_env": ranks_env}
 
     if warm_up:
         name, impl, _, section = entries[0]
@@ -368,13 +380,20 @@ def model_key(model: dict | None) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted((model or {}).items()))
 
 
+def setup_key(record: dict) -> str:
+    """A configuration's tag beyond S, sp and packing: its model overrides and the allocator settings its ranks ran
+    with (``env NAME=VALUE``); '' for the default model in the default environment."""
+    env = [f"env {name}={value}" for name, value in sorted(record.get("host_env", {}).items())]
+    return " ".join(filter(None, [model_key(record.get("model")), *env]))
+
+
 def summarize(records: list[dict], kind: str = "step") -> dict:
-    """(name, S, sp, packed, model) -> pooled medians and per-layer communication (every launch of `kind`:
+    """(name, S, sp, packed, :func:`setup_key`) -> pooled medians and per-layer communication (every launch of `kind`:
     ``step`` for the engine loop, ``trainer`` for the Trainer's, ``accelerate`` for the plain
     Accelerate loop's, ``trl`` for SFTTrainer's)."""
     groups: dict = {}
     for rec in (r for r in records if "error" not in r and r.get("kind", "step") == kind):
-        key = (rec["name"], rec["seq_len"], rec["sp"], rec.get("packed_docs", 0), model_key(rec.get("model")))
+        key = (rec["name"], rec["seq_len"], rec["sp"], rec.get("packed_docs", 0), setup_key(rec))
         groups.setdefault(key, []).append(rec)
     out = {}
     for key, recs in groups.items():
@@ -437,6 +456,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(0: none; default 1)")
     parser.add_argument("--model", action="append", default=[], metavar="KEY=INT",
                         help="model size override: vocab, hidden, intermediate, layers, heads, kv_heads")
+    parser.add_argument("--host-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set NAME=VALUE in every rank of every arm (repeatable), e.g. THP_MEM_ALLOC_ENABLE=1 "
+                             "(torch's CPU buffers in huge pages); such launches are a configuration of their own in "
+                             "the report, tagged 'env NAME=VALUE' in its model column")
     parser.add_argument("--out", default="benchmarks/results/runs.jsonl", help="JSON lines file to append to")
     parser.add_argument("--report", metavar="DIR", help="after running, write the Markdown report and plots of "
                                                         "every record in --out to DIR")
@@ -505,6 +528,19 @@ def _check_loop(args: argparse.Namespace) -> None:
                          "leave it out (TRL packs with its own SFTConfig(packing=True))")
 
 
+def _parse_host_env(args: argparse.Namespace) -> dict:
+    """``--host-env``'s settings: for the training-step runs only, and none the harness sets for its ranks."""
+    host_env = _parse_pairs(args.host_env, "--host-env", str)
+    if host_env and (args.max_seq or args.tiled_iters or args.layer_iters):
+        raise ValueError(f"--host-env sets the ranks' environment of training-step runs, got it with --max-seq, "
+                         f"--tiled-iters or --layer-iters; leave it out (or set {', '.join(host_env)} in the shell)")
+    taken = [name for name in host_env if name in HARNESS_ENV]
+    if taken:
+        raise ValueError(f"--host-env cannot set {', '.join(taken)}: the harness sets it for every rank "
+                         f"({', '.join(HARNESS_ENV)}); leave it out")
+    return host_env
+
+
 def run_command(args: argparse.Namespace) -> int:
     """The ``ds-ulysses bench`` runner: run, print this run's tables, optionally write the report."""
     from ds_ulysses.config import UlyssesConfig
@@ -524,6 +560,7 @@ def run_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--cycles must be 1 or more (measured refill cycles per launch), got {args.cycles}")
         granularity = parse_size(args.max_seq_step)
         _check_loop(args)
+        host_env = _parse_host_env(args)
     except ValueError as exc:
         print(f"ds-ulysses bench: {exc}", file=sys.stderr)
         return 2
@@ -548,7 +585,7 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         records = run_suite(seq_lens, args.sp, args.impl, args.reps, args.steps, args.warmup, out,
                             args.packed_docs, model, variants, args.timeout, args.noise, args.profile_reps,
-                            args.cycles, args.warm_up, loop=args.loop)
+                            args.cycles, args.warm_up, loop=args.loop, host_env=host_env)
         print(format_run(records, LOOPS[args.loop]))
     if args.report:
         lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from ds_ulysses.constants import GIB
 
-from .bench import NOISE_ARM, STEAL_LIMIT, calm, launch_cpu, launch_peak, launch_time, model_key, summarize
+from .bench import NOISE_ARM, STEAL_LIMIT, calm, launch_cpu, launch_peak, launch_time, setup_key, summarize
 from .rank import MODEL_DEFAULTS
 
 __all__ = ["format_group", "format_run", "write_report", "ratio_rows", "noise_of", "verdict", "target_verdict",
@@ -73,7 +73,7 @@ LOOP_TITLES = {"trainer": "Through Transformers' Trainer (`--loop trainer`)",
 
 
 def _config(rec: dict) -> tuple:
-    return rec["seq_len"], rec["sp"], rec.get("packed_docs", 0), model_key(rec.get("model"))
+    return rec["seq_len"], rec["sp"], rec.get("packed_docs", 0), setup_key(rec)
 
 
 def _every_pair(records: list[dict], kind: str) -> dict:
@@ -309,7 +309,7 @@ def format_profile(records: list[dict], kind: str = "step") -> str:
             continue
         profiles = [r["profile"] for r in rec["ranks"] if "profile" in r]
         if profiles:
-            key = (model_key(rec.get("model")), rec.get("packed_docs", 0), rec["sp"], rec["seq_len"],
+            key = (setup_key(rec), rec.get("packed_docs", 0), rec["sp"], rec["seq_len"],
                    rec.get("run") or "-")
             groups.setdefault(key, {}).setdefault(rec["name"], []).append((profiles, launch_time(rec)))
 

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -305,6 +306,57 @@ def test_the_screened_tables_judge_a_configuration_on_the_launches_that_recorded
     assert report._screened_sections(newer) == []  # everything screened: the tables above already are
     report.write_report(older + newer, tmp_path)
     assert ratios in (tmp_path / "results.md").read_text()
+
+
+def test_host_env_reaches_every_rank_and_its_launches_are_a_configuration_of_their_own(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """--host-env (and an allocator setting the ranks inherit) is set in every rank, named in each record, and
+    keeps its launches out of the default environment's pairs: an allocator moves a step by more than the arms do."""
+    seen = []
+
+    class Rank:  # a rank that writes its result at once and says which environment it got
+        def __init__(self, argv, env, **_):
+            seen.append(env)
+            Path(f"{argv[-1]}.rank{env['RANK']}.json").write_text(json.dumps({"rank": env["RANK"]}))
+            self.pid, self.returncode = os.getpid(), 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0")
+    spec = {"impl": "deepspeed", "seq_len": 64, "host_env": {"THP_MEM_ALLOC_ENABLE": "1"}}
+    with monkeypatch.context() as m:
+        m.setattr(bench, "subprocess", SimpleNamespace(Popen=Rank, STDOUT=subprocess.STDOUT))
+        assert bench.launch(spec, 2, tmp_path) == [{"rank": "0"}, {"rank": "1"}]
+    assert [(env["RANK"], env["THP_MEM_ALLOC_ENABLE"], env["GLIBC_TUNABLES"]) for env in seen] == [
+        ("0", "1", "glibc.malloc.mmap_max=0"), ("1", "1", "glibc.malloc.mmap_max=0")]
+
+    def launched(spec, world, workdir, timeout):
+        raise RuntimeError(f"launched with {spec['host_env']}")
+
+    monkeypatch.setattr(bench, "launch", launched)
+    out = tmp_path / "runs.jsonl"
+    bench.run_suite([64], [2], ["deepspeed"], reps=1, steps=1, warmup=0, out=out, noise=False, profile_reps=0,
+                    warm_up=False, log=lambda line: None, host_env={"THP_MEM_ALLOC_ENABLE": "1"})
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    both = {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0", "THP_MEM_ALLOC_ENABLE": "1"}
+    assert record["host_env"] == both and record["error"] == f"launched with {both}"
+
+    thp = {"THP_MEM_ALLOC_ENABLE": "1"}
+    plain = [_step_launch(name, rep, step, 0.01) for rep in range(2)
+             for name, step in (("deepspeed", 10.0), (NOISE_ARM, 10.0), ("ours", 9.0))]
+    huge = [{**_step_launch(name, rep, step, 0.01, run="b"), "host_env": thp} for rep in range(2)
+            for name, step in (("deepspeed", 8.0), (NOISE_ARM, 8.0), ("ours", 8.8))]
+    rows = {(r["name"], r["model"]): r for r in ratio_rows(plain + huge)}
+    assert rows["ours", ""]["times"] == pytest.approx([0.9, 0.9])
+    assert rows["ours", "env THP_MEM_ALLOC_ENABLE=1"]["times"] == pytest.approx([1.1, 1.1])
+    assert bench.setup_key({"model": {"vocab": 64}, "host_env": thp}) == "vocab=64 env THP_MEM_ALLOC_ENABLE=1"
+    assert "| ours | 4K | 1 | - | env THP_MEM_ALLOC_ENABLE=1 | 8.00 | 8.80 |" in report.format_ratios(plain + huge)
+
+    assert cli.main(["bench", "--host-env", "OMP_NUM_THREADS=4"]) == 2
+    assert "--host-env cannot set OMP_NUM_THREADS: the harness sets it" in capsys.readouterr().err
+    assert cli.main(["bench", "--host-env", "THP_MEM_ALLOC_ENABLE=1", "--max-seq", "2G"]) == 2
+    assert "got it with --max-seq" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("warm_up_fails", [False, True])
