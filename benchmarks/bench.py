@@ -11,7 +11,9 @@ mean of the slowest rank's whole user-loop steps; its memory is the largest rank
 CPU seconds of all ranks per step (:func:`launch_cpu`), beside which the record keeps the share of the
 machine's CPU time the host stole while it ran (``stolen``, from ``/proc/stat``). Each ratio is taken
 within a repetition (arm / ``deepspeed`` of the same repetition), so slow drifts in machine load cancel,
-and is reported as the median over repetitions with its spread (:mod:`benchmarks.report`).
+and is reported as the median over repetitions with its spread (:mod:`benchmarks.report`). Launches whose ranks
+ran with other memory-allocator settings (``--host-env``, or inherited: :data:`ALLOCATOR_ENV`) are a configuration
+of their own (:func:`setup_key`).
 
 ``--loop trainer`` runs the same arms through Transformers' Trainer (:mod:`benchmarks.trainer`) and
 ``--loop accelerate`` through a plain Accelerate loop (:mod:`benchmarks.accelerate_loop`) and ``--loop trl``

@@ -112,7 +112,7 @@ def spell_notes(records: list[dict], kind: str = "step") -> list[str]:
         out = sum(not _calm_pair(*pair) for pair in pairs)
         if out:
             left.append(f"{name} at {_k(s)}, sp {sp}{f', {packed} docs' if packed else ''}"
-                        f"{f', model {model}' if model else ''}: {out} of {len(pairs)}")
+                        f"{f', {model}' if model else ''}: {out} of {len(pairs)}")
     if not left:
         return []
     return [f"Pairs left out of the ratios, noise and work figures, as the host stole more than {STEAL_LIMIT:.0%} of "

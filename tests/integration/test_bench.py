@@ -345,11 +345,12 @@ def test_host_env_reaches_every_rank_and_its_launches_are_a_configuration_of_the
     thp = {"THP_MEM_ALLOC_ENABLE": "1"}
     plain = [_step_launch(name, rep, step, 0.01) for rep in range(2)
              for name, step in (("deepspeed", 10.0), (NOISE_ARM, 10.0), ("ours", 9.0))]
-    huge = [{**_step_launch(name, rep, step, 0.01, run="b"), "host_env": thp} for rep in range(2)
-            for name, step in (("deepspeed", 8.0), (NOISE_ARM, 8.0), ("ours", 8.8))]
+    huge = [{**_step_launch(name, rep, step, 0.3 if (rep, name) == (2, "ours") else 0.01, run="b"), "host_env": thp}
+            for rep in range(3) for name, step in (("deepspeed", 8.0), (NOISE_ARM, 8.0), ("ours", 8.8))]
     rows = {(r["name"], r["model"]): r for r in ratio_rows(plain + huge)}
     assert rows["ours", ""]["times"] == pytest.approx([0.9, 0.9])
     assert rows["ours", "env THP_MEM_ALLOC_ENABLE=1"]["times"] == pytest.approx([1.1, 1.1])
+    assert report.spell_notes(plain + huge)[0].endswith("ours at 4K, sp 1, env THP_MEM_ALLOC_ENABLE=1: 1 of 3.")
     assert bench.setup_key({"model": {"vocab": 64}, "host_env": thp}) == "vocab=64 env THP_MEM_ALLOC_ENABLE=1"
     assert "| ours | 4K | 1 | - | env THP_MEM_ALLOC_ENABLE=1 | 8.00 | 8.80 |" in report.format_ratios(plain + huge)
 
