@@ -57,8 +57,8 @@ NOISE_ARM = "deepspeed[again]"
 STEAL_LIMIT = 0.05
 TILED_OPS = ("tiled_mlp", "stc_mlp", "stc_loss", "fused_loss")  # --tiled-iters' operations (benchmarks.tiled)
 # The memory allocator's settings a launch inherits: each record names those set (``host_env``), and launches run
-# with different ones are different configurations in the report (:func:`setup_key`). On this kind of machine they
-# move a step's CPU work by 10-17% (page faults, 2026-11-29), more than the differences measured between arms
+# with different ones are different configurations in the report (:func:`setup_key`). Here glibc's mmap off took 8%
+# off DeepSpeed's CPU work for 50-65% more memory (2026-11-29): as much as the differences measured between arms
 ALLOCATOR_ENV = ("THP_MEM_ALLOC_ENABLE", "GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_",
                  "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_TRIM_THRESHOLD_")
 # what launch() sets for every rank itself: --host-env cannot override these
@@ -146,8 +146,8 @@ def launch(spec: dict, world: int, workdir: Path, timeout: float = 1800.0, rss_l
     path_env = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     procs, logs = [], []
     for rank in range(world):
-        env = {**os.environ, **spec.get("host_env", {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+        env = {**os.environ, **spec.get("host_env", {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
                "PYTHONPATH": path_env, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(spec.get("threads", 1))}
         log = open(f"{path}.rank{rank}.log", "w")
         logs.append(log)
