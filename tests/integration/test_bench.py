@@ -860,8 +860,8 @@ def test_gpu_benchmark_arms_train_the_same_model_the_same_way_on_cpu(tmp_path, c
     """--device cpu runs benchmarks.gpu.longest's real trials (fresh processes, ZeRO-3 with DeepSpeed's CPU
     AdamW) on the tiny model: ours (tiled MLP, tiled loss, checkpoint offload) or ours with checkpointing in
     place of the offload, and DeepSpeed's ALST recipe start from the same weights and data, so each of their
-    steps has the same loss, the first before any update and the next after the same update. The model is built as on a GPU, partitioned while built, and initialised as
-    Transformers initialises it."""
+    steps has the same loss, the first before any update and the next after the same update. The model is built
+    as on a GPU, partitioned while built, and initialised as Transformers initialises it."""
     from benchmarks.gpu import longest
     from tests.support.distributed import free_port
 
