@@ -237,6 +237,13 @@ OVERRIDES: dict[str, tuple[dict, str]] = {
                            max_position_embeddings=512, original_max_position_embeddings=48, head_dim=8,
                            hidden_size=32),
                       "longrope switches factors when the sequence passes original_max_position_embeddings"),
+    "llama4_text+full": (dict(attention_chunk_size=None, layer_types=["full_attention"] * 2, no_rope_layers=[1, 0],
+                              attn_temperature_tuning=False),
+                         "Llama 4 without chunked attention, one NoPE layer, no temperature tuning"),
+    "llama4_text+temperature": (dict(attention_chunk_size=None, layer_types=["full_attention"] * 2,
+                                     no_rope_layers=[1, 0], attn_temperature_tuning=True, floor_scale=4),
+                                "the NoPE layer scales its queries by a position it counts from its own input "
+                                "(floor_scale 4 < 64 tokens)"),
     "mixtral+aux": (dict(output_router_logits=True, router_aux_loss_coef=0.5),
                     "the router's load-balancing loss is part of the model's loss"),
     "qwen2_moe+aux": (dict(output_router_logits=True, router_aux_loss_coef=0.5),

@@ -70,6 +70,7 @@ def check_model_servable(config, model=None) -> None:
             "honoured on the gathered sequence (its chunk mask is dropped with the local mask); expected "
             "attention_chunk_size=None; fix: train without SP, or set attention_chunk_size to None only if "
             "full causal attention is what you want")
+    _check_position_scaled_queries(text, model_type)
     heads = config_value(text, "num_attention_heads", None)
     if not isinstance(heads, int) or heads < 1:
         raise ValueError(
@@ -80,6 +81,26 @@ def check_model_servable(config, model=None) -> None:
         _check_head(model)
         _check_prompt_learning(model)
         _check_modules(model)
+
+
+def _check_position_scaled_queries(text, model_type) -> None:
+    """Llama 4's attention temperature tuning scales a NoPE layer's queries by each token's position, and
+    Transformers numbers those positions from the layer's own input (``arange`` of its length), not from
+    position_ids: under SP each rank would scale its shard as if it began the sequence."""
+    if not config_value(text, "attn_temperature_tuning", False):
+        return
+    nope = [i for i, rope in enumerate(config_value(text, "no_rope_layers", None) or ()) if not rope]
+    if nope:
+        shown = ", ".join(map(str, nope[:8])) + (", ..." if len(nope) > 8 else "")
+        floor = config_value(text, "floor_scale", None)
+        raise ValueError(
+            f"model not servable by Ulysses SP: {model_type!r} scales the queries of its NoPE layers [{shown}] by "
+            f"each token's position (attn_temperature_tuning, floor_scale={floor}), and Transformers counts those "
+            "positions from the start of the layer's input, which under SP is each rank's own shard, so every rank "
+            "after the first would scale its queries as if its tokens began the sequence and train silently wrong "
+            "beyond floor_scale tokens; expected attn_temperature_tuning=False or no NoPE layer (no_rope_layers all "
+            "1); fix: train without SP (attn_temperature_tuning=False changes the model's attention past "
+            "floor_scale positions)")
 
 
 # RoPE types whose frequencies depend on the longest position in the batch (Transformers'

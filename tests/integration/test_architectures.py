@@ -40,6 +40,8 @@ DROPIN = [
     "gpt_bigcode",  # its attention calls get no position_ids; its position embedding takes the call's: served
     "llama+rope_dynamic",  # RoPE scaled by the batch's longest position: refused
     "mixtral+aux",  # a router load-balancing loss: the whole sequence's, from the SP group's routing statistics
+    "llama4_text+full",         # Llama 4 without chunks: MoE, a NoPE layer, L2-normed q/k: served
+    "llama4_text+temperature",  # its NoPE layer scales queries by a position counted from the shard: refused
 ]
 ENGINE = ["llama@tiled", "cohere@tiled", "granite@tiled", "gemma3_text@tiled",
           "longcat_flash@tiled",  # MoE with identity experts, its block a ZeRO-3 leaf (without, gloo aborts the step)
@@ -52,9 +54,11 @@ ENGINE = ["llama@tiled", "cohere@tiled", "granite@tiled", "gemma3_text@tiled",
           "gemma3_text@all-tools"]  # loss tiles, tiled MLPs and offload at once; a tied, soft-capped head
 # the cause a refusal must name
 REFUSED_FOR = {"opt@mlp": "tiled_mlp is enabled but OPTForCausalLM's decoder has no module named 'mlp'",
-               "ctrl": "none of the decoder's own modules (a position or rotary embedding) took that tensor"}
+               "ctrl": "none of the decoder's own modules (a position or rotary embedding) took that tensor",
+               "llama4_text+temperature": "by each token's position (attn_temperature_tuning, floor_scale=4)"}
 # served, never refused
-EXACT = {"llama", "mixtral", "mixtral+aux", "gpt_bigcode", "llama@tiled", "qwen2_moe+aux@tiled", "mixtral+aux@mlp"}
+EXACT = {"llama", "mixtral", "mixtral+aux", "gpt_bigcode", "llama4_text+full", "llama@tiled", "qwen2_moe+aux@tiled",
+         "mixtral+aux@mlp"}
 
 
 def _names(params) -> list[str]:

@@ -20,6 +20,10 @@ UNSERVABLE = [
     ("rwkv", {}, "'rwkv' mixes tokens with a recurrence"),
     ("llama4_text", dict(attention_chunk_size=8, layer_types=["full_attention"] * 2),
      r"chunked attention \(attention_chunk_size=8\) is not honoured"),
+    ("llama4_text", dict(attention_chunk_size=None, layer_types=["full_attention"] * 2, no_rope_layers=[1, 0],
+                         attn_temperature_tuning=True),
+     r"'llama4_text' scales the queries of its NoPE layers \[1\] by each token's position \(attn_temperature_tuning, "
+     r"floor_scale=8192\)"),
 ]
 
 
@@ -27,6 +31,15 @@ UNSERVABLE = [
 def test_models_that_mix_tokens_outside_attention_are_refused(model_type, extra, phrase):
     with pytest.raises(ValueError, match="model not servable by Ulysses SP: .*" + phrase):
         check_model_servable(hf_config(model_type, **extra))
+
+
+@pytest.mark.parametrize("extra", [dict(attn_temperature_tuning=False), dict(no_rope_layers=[1, 1])],
+                         ids=["no-temperature-tuning", "no-nope-layer"])
+def test_llama4_without_chunks_is_served_unless_a_nope_layer_scales_its_queries_by_position(extra):
+    # the other half of the refusal above: without chunks, these configs are exact (architecture sweep:
+    # llama4_text+full), and refusing them would leave Llama 4 no SP at all
+    check_model_servable(hf_config("llama4_text", attention_chunk_size=None, layer_types=["full_attention"] * 2,
+                                   **{"no_rope_layers": [1, 0], "attn_temperature_tuning": True, **extra}))
 
 
 def test_layer_type_chunked_attention_is_refused():
