@@ -2,8 +2,11 @@
 
 Ranks are laid out as ``arange(world).view(dp, sp)``: an SP group is a row (contiguous ranks, so the
 per-layer all-to-all stays inside a node), a DP group is a column (ranks that hold the same sequence
-shard of different samples). The :class:`Mesh` object is passed to whatever needs groups; nothing
-here is a module global.
+shard of different samples). The :class:`Mesh` object is passed to whatever needs groups; the mesh
+is never a module global. Its process groups are shared, though: torch keeps every group (and its
+gloo threads) until the world is destroyed, so a process that sets up SP many times (a notebook, a
+hyperparameter search, the architecture sweep) would otherwise gain three groups and about nine
+threads per setup; every mesh of one world gets the groups the first mesh of its shape made.
 
 :class:`Mesh` doubles as the Megatron-style ``mpu`` that ``deepspeed.initialize(mpu=...)`` reads:
 DeepSpeed takes its batch arithmetic from ``get_data_parallel_world_size`` (dp), its ZeRO
@@ -16,6 +19,7 @@ reads ``None`` as the whole world.
 
 from __future__ import annotations
 
+import weakref
 from datetime import timedelta
 
 import torch
@@ -24,6 +28,9 @@ import torch.distributed as dist
 from .watch import GroupWatch
 
 __all__ = ["Mesh", "build_mesh", "mesh_shape", "check_mesh_param"]
+
+# world process group -> {(ranks, timeout_seconds): group}; an entry leaves with its world
+_GROUPS = weakref.WeakKeyDictionary()
 
 
 def check_mesh_param(mesh_param) -> tuple[int, int]:
@@ -70,6 +77,20 @@ def mesh_shape(world_size: int, sp: int | None = None, mesh_param=None) -> tuple
     return world_size // sp, sp
 
 
+def _shared_group(ranks: list[int], timeout_seconds: float | None):
+    """The group of ``ranks`` with this timeout in the current world, made by the first call for it.
+
+    ``dist.new_group`` must be called by every rank for every group in the same order. Every rank
+    builds the same meshes in the same order, so all of them find a group here or all of them make it.
+    """
+    made = _GROUPS.setdefault(dist.group.WORLD, {})
+    key = (tuple(ranks), timeout_seconds)
+    if key not in made:
+        timeout = None if timeout_seconds is None else timedelta(seconds=timeout_seconds)
+        made[key] = dist.new_group(ranks, timeout=timeout)
+    return made[key]
+
+
 class Mesh:
     """Process groups for a ``(dp, sp)`` grid, usable as DeepSpeed's ``mpu``.
 
@@ -94,19 +115,17 @@ class Mesh:
             return
         # groups exist even for a 1-rank world: DeepSpeed broadcasts and reduces over them
         grid = torch.arange(world).view(dp, sp)  # [dp sp]
-        timeout = None if timeout_seconds is None else timedelta(seconds=timeout_seconds)
-        # every rank must create every group, in the same order
         for row in grid.tolist():
-            group = dist.new_group(row, timeout=timeout)
+            group = _shared_group(row, timeout_seconds)
             if self.rank in row:
                 self.sp_group, self.sp_ranks = group, row
                 self.sp_watch = GroupWatch(row, timeout_seconds)
         for col in grid.t().tolist():
-            group = dist.new_group(col, timeout=timeout)
+            group = _shared_group(col, timeout_seconds)
             if self.rank in col:
                 self.dp_group, self.dp_ranks = group, col
         for rank in range(world):
-            group = dist.new_group([rank], timeout=timeout)
+            group = _shared_group([rank], timeout_seconds)
             if rank == self.rank:
                 self.own_group = group
 

@@ -1,6 +1,7 @@
 """The (dp, sp) mesh: the one dp * sp == world check, mesh_param, and the rank grid's groups."""
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from ds_ulysses import Mesh, build_mesh
@@ -69,3 +70,24 @@ def test_sp_groups_are_contiguous_rows_and_dp_groups_columns_of_the_rank_grid():
         assert res["ranks"] == (row, col) and res["mpu"] == (2, 2, 4)
         # no model parallelism: this rank alone (DeepSpeed sums gradient norms over it; None is the world)
         assert res["model"] == [[rank]] * 3
+
+
+def _meshes_share_groups(rank, world_size, store_path):
+    first, second = Mesh(1, 2), build_mesh(2)
+    shared = [first.sp_group is second.sp_group, first.dp_group is second.dp_group,
+              first.own_group is second.own_group]
+    other_timeout = Mesh(1, 2, timeout_seconds=30).sp_group is not first.sp_group
+    # a new world (destroy, then init again) gets new groups that work, not the dead world's
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
+    renewed = Mesh(1, 2)
+    total = torch.ones(1)
+    dist.all_reduce(total, group=renewed.sp_group)
+    return {"shared": shared, "other_timeout": other_timeout, "renewed": renewed.sp_group is not first.sp_group,
+            "sum": total.item()}
+
+
+def test_meshes_of_one_world_share_their_process_groups(tmp_path):
+    # torch keeps every group until the world goes: a new set per setup piled up groups and gloo threads
+    for res in run_distributed(_meshes_share_groups, 2, str(tmp_path / "store")):
+        assert res == {"shared": [True] * 3, "other_timeout": True, "renewed": True, "sum": 2.0}
