@@ -61,9 +61,17 @@ TILED_OPS = ("tiled_mlp", "stc_mlp", "stc_loss", "fused_loss")  # --tiled-iters'
 # off DeepSpeed's CPU work for 50-65% more memory (2026-11-29): as much as the differences measured between arms
 ALLOCATOR_ENV = ("THP_MEM_ALLOC_ENABLE", "GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_",
                  "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_TRIM_THRESHOLD_")
-# what launch() sets for every rank itself: --host-env cannot override these
-HARNESS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PYTHONPATH",
-               "DS_ACCELERATOR", "OMP_NUM_THREADS")
+
+
+def _rank_env(rank: int, world: int, port: int, pythonpath: str, threads: int) -> dict[str, str]:
+    """What :func:`launch` sets for every rank itself, on top of the host environment."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "PYTHONPATH": pythonpath,
+            "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(threads)}
+
+
+# --host-env cannot override these
+HARNESS_ENV = tuple(_rank_env(0, 1, 0, "", 1))
 
 
 def impl_name(impl: str, variant: str | None) -> str:
@@ -146,9 +154,8 @@ def launch(spec: dict, world: int, workdir: Path, timeout: float = 1800.0, rss_l
     path_env = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     procs, logs = [], []
     for rank in range(world):
-        env = {**os.environ, **spec.get("host_env", {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-               "PYTHONPATH": path_env, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": str(spec.get("threads", 1))}
+        env = {**os.environ, **spec.get("host_env", {}),
+               **_rank_env(rank, world, port, path_env, spec.get("threads", 1))}
         log = open(f"{path}.rank{rank}.log", "w")
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.rank", path], env=env, cwd=root,
