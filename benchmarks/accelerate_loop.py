@@ -18,9 +18,9 @@ optimizer, so the loop's optimizer is Accelerate's ``DummyOptim``):
   the sample's token-mean loss (README, "Accelerate").
 - ``ours-dropin``: ``ds_ulysses.install()`` in front of DeepSpeed's user's code unchanged, its
   ``parallelism_config`` and its loss from the logits included. Outside the Trainer that
-  ``parallelism_config`` becomes a section with ``model_loss`` and the tiled loss off (the model returns
-  DeepSpeed's outputs, logits and no loss; README, "Accelerate"), so this arm is the mechanism: our
-  attention and adapter under DeepSpeed's user's loss. ``ours`` with the variant ``{"tiled_loss":
+  ``parallelism_config`` becomes a section with ``model_loss``, the tiled loss and ``trim_host_heap`` off
+  (the model returns DeepSpeed's outputs, logits and no loss, and the engine steps as DeepSpeed's; README,
+  "Accelerate"), so this arm is the mechanism: our attention and adapter under DeepSpeed's user's loss. ``ours`` with the variant ``{"tiled_loss":
   {"enabled": false}, "trim_host_heap": false}`` is our attention, adapter and (untiled) SP loss.
 
 A step is one turn of the loop, after a barrier: the next batch (the adapter), the forward with the loss,

@@ -13,7 +13,7 @@ the Trainer computes the loss with ``deepspeed_sp_compute_loss``. After :func:`d
   ``deepspeed.initialize``) both run, from either switch; a section and a ``parallelism_config`` that
   disagree are refused naming both values; ``parallelism_config`` alone outside the Trainer gives the
   model DeepSpeed's outputs (logits, no loss: ``model_loss`` off), which the user's loop written for
-  DeepSpeed takes its loss from;
+  DeepSpeed takes its loss from, and DeepSpeed's steps (no ``trim_host_heap``);
 - the Trainer's SP loss is the model's own (:func:`sp_compute_loss`): Transformers' weights per-rank
   mean losses through a differentiable all_gather, which is exact only under ZeRO-3's reduction
   (an average over all ranks) and twice the gradient at sp 2 under ZeRO-1/2 (a sum over SP peers);
@@ -118,12 +118,13 @@ def reconcile(accelerator) -> None:
     config, read by :func:`ds_ulysses.initialize`) and ``parallelism_config`` (read by Accelerate and the
     Trainer: loader wrapping, batch arithmetic, step counts, the SP loss). No-op without either.
 
-    A section made from ``parallelism_config`` alone has the defaults but ``model_loss`` and the tiled loss:
-    in a loop of the user's own, code written for DeepSpeed's SP path takes its loss from
+    A section made from ``parallelism_config`` alone has the defaults but ``model_loss``, the tiled loss and
+    ``trim_host_heap``: in a loop of the user's own, code written for DeepSpeed's SP path takes its loss from
     ``model(**batch).logits`` and the batch's ``shift_labels`` (Accelerate's ALST example, DeepSpeed's
     tutorial), so the model returns what DeepSpeed's module makes it return, logits and no loss, and
-    computes nothing that code does not use. The Trainer, which takes the model's loss, gets both back when
-    it trains (:func:`serve_the_trainer_s_loss`)."""
+    computes nothing that code does not use; and the engine's step is DeepSpeed's, without the heap trim
+    that trades a step's page refaults for memory (README, "In a plain Accelerate loop"). The Trainer,
+    which takes the model's loss, gets all three back when it trains (:func:`serve_the_trainer_s_loss`)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:
         return
@@ -132,8 +133,8 @@ def reconcile(accelerator) -> None:
     if section is None and (pc is None or pc.sp_size <= 1):
         return
     merged = _merge(section, pc)
-    if section is None:  # DeepSpeed's switch: in the user's own loop the model's outputs are DeepSpeed's
-        merged = dataclasses.replace(merged, model_loss=False,
+    if section is None:  # DeepSpeed's switch: in the user's own loop the model's outputs and steps are DeepSpeed's
+        merged = dataclasses.replace(merged, model_loss=False, trim_host_heap=False,
                                      tiled_loss=dataclasses.replace(merged.tiled_loss, enabled=False))
         _DEEPSPEED_S_OUTPUTS.add(accelerator)
     world = dist.get_world_size() if dist.is_initialized() else accelerator.num_processes
@@ -144,15 +145,15 @@ def reconcile(accelerator) -> None:
 def serve_the_trainer_s_loss(accelerator) -> None:
     """Before a Trainer trains (and builds its engine): its loss is the model's (:func:`sp_compute_loss`) and
     nothing reads the logits, so a section :func:`reconcile` made from ``parallelism_config`` alone gets its
-    defaults back (``model_loss``, the tiled loss), on the DeepSpeed config the Trainer has by then (its own
-    copy of the one reconciled); a section whose ``model_loss`` is false is refused."""
+    defaults back (``model_loss``, the tiled loss, ``trim_host_heap``), on the DeepSpeed config the Trainer has
+    by then (its own copy of the one reconciled); a section whose ``model_loss`` is false is refused."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     section = plugin.deepspeed_config.get(SECTION_KEY) if plugin is not None else None
     if section is None:
         return
     if accelerator in _DEEPSPEED_S_OUTPUTS:
-        section.pop("model_loss", None)
-        section.pop("tiled_loss", None)
+        for key in ("model_loss", "tiled_loss", "trim_host_heap"):
+            section.pop(key, None)
     elif section.get("model_loss") is False:
         raise ValueError(
             "the DeepSpeed config's \"ulysses\" section has model_loss false, but Transformers' Trainer computes its "

@@ -288,18 +288,28 @@ def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: i
     ``loss`` "model" takes ``model(**batch).loss``; "example" is the loop Accelerate's ALST example and
     DeepSpeed's tutorial write for DeepSpeed's module: the model's loss function on this rank's
     ``logits`` and ``shift_labels``, weighted across the SP group by valid-token counts through a
-    differentiable all-gather (``model_losses``: what ``model(**batch).loss`` was beside it)."""
+    differentiable all-gather (``model_losses``: what ``model(**batch).loss`` was beside it). ``trims``: the heap
+    trims the engine ran after its steps (``trim_host_heap``)."""
     from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig
     from deepspeed.utils import groups
 
     import ds_ulysses
+    import ds_ulysses.engine as ds_engine
     from examples.cpu_gloo import report_gloo_world
 
     report_gloo_world()
+    trims = []
     if library == "ours":
         ds_ulysses.install()
+        trim = ds_engine.trim_host_heap
+
+        def counted_trim():  # this process's engines call it after each step: counted, then run
+            trims.append(1)
+            return trim()
+
+        ds_engine.trim_host_heap = counted_trim
     model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))  # before the ZeRO-3 plugin (see trainer_run)
     section = {"sequence_parallel_size": world_size} if switch in ("section", "both") else None
     config = {**ds_config(stage, section), "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -334,7 +344,7 @@ def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: i
         optimizer.zero_grad()
         losses.append(step_loss.item())
     out = {"losses": losses, "params": full_params(model), "sp": accelerator.parallelism_config.sp_size,
-           "model_losses": model_losses}
+           "model_losses": model_losses, "trims": len(trims)}
     if eval_on_shards:  # a wrapped loader in eval mode, where Accelerate turned SP off: refused, not wrong
         model.eval()
         try:

@@ -94,11 +94,11 @@ def _reconciled(config: dict, pc) -> tuple:
 
 def test_parallelism_config_alone_gives_deepspeed_s_outputs_in_a_user_s_loop_and_our_loss_in_the_trainer():
     # the user's own loop, written for DeepSpeed's SP path, takes its loss from model(**batch).logits: the model
-    # returns logits and no loss, as under DeepSpeed's module
+    # returns logits and no loss, and the engine steps without the heap trim, as under DeepSpeed's module
     accelerator, section = _reconciled({"zero_optimization": {"stage": 3}}, _pc(2))
     assert section == {"sequence_parallel_size": 2, "model_loss": False, "tiled_loss": {"enabled": False},
-                       "disable_in_eval": True}
-    # the Trainer computes its loss from the model's (nothing reads the logits): the defaults, tiled loss on
+                       "trim_host_heap": False, "disable_in_eval": True}
+    # the Trainer computes its loss from the model's (nothing reads the logits): the defaults, tiled loss and trim on
     serve_the_trainer_s_loss(accelerator)
     assert section == {"sequence_parallel_size": 2, "disable_in_eval": True}
     # a section given is the user's choice in either loop
