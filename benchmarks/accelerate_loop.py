@@ -20,8 +20,9 @@ optimizer, so the loop's optimizer is Accelerate's ``DummyOptim``):
   ``parallelism_config`` and its loss from the logits included. Outside the Trainer that
   ``parallelism_config`` becomes a section with ``model_loss``, the tiled loss and ``trim_host_heap`` off
   (the model returns DeepSpeed's outputs, logits and no loss, and the engine steps as DeepSpeed's; README,
-  "Accelerate"), so this arm is the mechanism: our attention and adapter under DeepSpeed's user's loss. ``ours`` with the variant ``{"tiled_loss":
-  {"enabled": false}, "trim_host_heap": false}`` is our attention, adapter and (untiled) SP loss.
+  "Accelerate"), so this arm is the mechanism: our attention and adapter under DeepSpeed's user's loss.
+  ``ours`` with the variant ``{"tiled_loss": {"enabled": false}, "trim_host_heap": false}`` is our
+  attention, adapter and (untiled) SP loss.
 
 A step is one turn of the loop, after a barrier: the next batch (the adapter), the forward with the loss,
 ``accelerator.backward`` (which runs DeepSpeed's ``backward`` and ``step``), ``optimizer.step`` and
