@@ -5,14 +5,25 @@ a library's tables (Transformers' attention registry, ``deepspeed.initialize``) 
 :data:`PATCHES`, which records what was there before. :func:`ds_ulysses.uninstall` undoes every
 patch, newest first; a feature may also undo only its own (``untile_mlps(model)`` undoes the
 ``"tiled_mlp"`` patches of that model).
+
+What a patch hangs on a model must survive the model being copied. Some of it reaches process groups,
+which can be neither copied nor pickled, and users copy models all the same: TRL builds its reference
+model with ``copy.deepcopy``, EMA weights and evaluation snapshots are copies, ``torch.save(model)`` and
+multiprocessing pickle. Such objects are :class:`ProcessLocal`: every deep copy of the model refers to
+the same one (the copy runs on the same SP groups, as the original does), and a pickle refers to it by a
+key into this process's registry. Unpickled in this process the key gives the object back; in a process
+that never had it, it gives None, and whatever holds it acts as if SP were not registered (the model
+computes as a plain model there).
 """
 
 from __future__ import annotations
 
+import uuid
+import weakref
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 
-__all__ = ["Patches", "PATCHES"]
+__all__ = ["Patches", "PATCHES", "ProcessLocal", "resolve_process_local"]
 
 ABSENT = object()  # "there was nothing here" (distinct from a stored None)
 
@@ -102,3 +113,26 @@ class Patches:
 
 PATCHES = Patches()
 """The process's ledger: every patch this package makes is recorded here."""
+
+
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> ProcessLocal, while it lives
+
+
+def resolve_process_local(key: str):
+    """The :class:`ProcessLocal` a pickle names by ``key``, or None in a process that does not hold it."""
+    return _LIVE.get(key)
+
+
+class ProcessLocal:
+    """Mixin: deep copies share this object; pickles refer to it by key (see the module docstring)."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        key = self.__dict__.get("_process_key")
+        if key is None:
+            key = uuid.uuid4().hex
+            self.__dict__["_process_key"] = key  # through __dict__: no nn.Module __setattr__ on the way
+            _LIVE[key] = self
+        return resolve_process_local, (key,)

@@ -25,6 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..patching import ProcessLocal
 from .watch import GroupWatch
 
 __all__ = ["Mesh", "build_mesh", "mesh_shape", "check_mesh_param"]
@@ -91,7 +92,7 @@ def _shared_group(ranks: list[int], timeout_seconds: float | None):
     return made[key]
 
 
-class Mesh:
+class Mesh(ProcessLocal):
     """Process groups for a ``(dp, sp)`` grid, usable as DeepSpeed's ``mpu``.
 
     With ``dp == sp == 1`` (or torch.distributed not initialised) every group is ``None`` and every

@@ -18,6 +18,8 @@ import traceback
 
 import torch.distributed as dist
 
+from ..patching import ProcessLocal
+
 __all__ = ["GroupWatch", "SPCommError", "is_collective_failure"]
 
 _C10D_DIR = os.path.dirname(dist.__file__)
@@ -36,8 +38,9 @@ def is_collective_failure(err: BaseException) -> bool:
     return bool(frames) and frames[-1].filename.startswith(_C10D_DIR)
 
 
-class GroupWatch:
-    """The identity of one SP group in failure messages, plus its step counter."""
+class GroupWatch(ProcessLocal):
+    """The identity of one SP group in failure messages, plus its step counter (one per group: copies of a
+    model share it)."""
 
     def __init__(self, ranks, timeout_seconds: float | None = None):
         self.ranks = list(ranks)

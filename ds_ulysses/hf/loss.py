@@ -24,6 +24,7 @@ from ..memory.fused_ce import TileBuffers, fusable_head, linear_cross_entropy_su
 from ..memory.tiled_loss import TiledFusedLogitsLoss
 from ..memory.tiles import resolve_loss_shards, zero3_whole
 from ..patching import PATCHES
+from ..patching import ProcessLocal
 from ..sp.loss import GlobalTokenMean, TokenCounts, mask_bad_labels, sp_loss_from_logits
 from .head import logits_transform
 from .model_facts import vocab_size
@@ -35,7 +36,7 @@ __all__ = ["enable_sp_loss", "disable_sp_loss", "tiled_causal_lm_loss", "TiledCa
 _TAG = "sp_loss"
 
 
-class TiledCausalLMLoss:
+class TiledCausalLMLoss(ProcessLocal):
     """A ``loss_fn`` for :func:`enable_sp_loss`: decoder -> hidden states -> TiledFusedLogitsLoss.
 
     The ``[bs sl_l V]`` logits are never materialised whole: lm_head, the model's own logits transform
@@ -109,41 +110,83 @@ def enable_sp_loss(model, group=None, grad_scale: float = 1.0, loss_fn=None, wat
     Idempotent: enabling again updates group and scale, and wraps ``forward`` again only if something
     replaced it since (TRL's SFTTrainer sets a fused-head ``forward`` on the model each time one is
     created; over ours, it would compute the shard's own loss). Undone by :func:`disable_sp_loss` or
-    ``ds_ulysses.uninstall``.
+    ``ds_ulysses.uninstall``. A copy of the model (``copy.deepcopy``, a pickle) computes the same SP loss
+    on its own weights (:class:`_SPLossForward`).
     """
     router = router_facts(model)
     if loss_fn is not None and hasattr(loss_fn, "prepare"):
         loss_fn.prepare(model)  # a loss_fn that must know the model learns it now, so refusals come at setup
     state = model.__dict__.get("_ulysses_loss")
     if state is None:
-        state = {}
+        state = _LossSettings()
         PATCHES.set_attr(model, "_ulysses_loss", state, _TAG, owner=model)
-    state.update(group=group, grad_scale=grad_scale, loss_fn=loss_fn, watch=watch, router=router)
-    if state.get("forward") is not None and model.__dict__.get("forward") is state["forward"]:
+        PATCHES.on_undo(state.retire, _TAG, owner=model)
+    state.group, state.grad_scale, state.loss_fn, state.watch, state.router = group, grad_scale, loss_fn, watch, router
+    current = model.__dict__.get("forward")
+    if isinstance(current, _SPLossForward) and current.model is model:
         return
-    original = model.forward
+    PATCHES.set_attr(model, "forward", _SPLossForward(model, model.forward, state), _TAG, owner=model)
 
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
+
+class _LossSettings(ProcessLocal):
+    """What the SP loss of a model needs besides the model: the SP group and the loss's settings, shared
+    by the model's copies (it holds the process group). Once the SP loss is undone (``disable_sp_loss``,
+    ``uninstall``) it is retired: copies made before then compute their own plain forward."""
+
+    group = grad_scale = loss_fn = watch = router = None
+    retired = False
+
+    def retire(self) -> None:
+        self.retired = True
+
+
+class _SPLossForward:
+    """``model.forward`` under the SP loss: a batch with ``shift_labels`` gets the whole sequence's token
+    mean; any other call is the model's own forward.
+
+    An object rather than a closure, so a copy of the model gets one of its own: ``copy.deepcopy`` binds
+    the copy's to the copy (a closure would keep computing with the original's weights), pickling names
+    the model's own ``forward`` function, and both share the :class:`_LossSettings`."""
+
+    def __init__(self, model, original, settings: _LossSettings):
+        self.model, self.settings = model, settings
+        # a method of the model is kept as its function, so that copies and pickles call it on themselves
+        bound = getattr(original, "__self__", None) is model
+        self._function, self._other = (original.__func__, None) if bound else (None, original)
+        for name in ("__module__", "__name__", "__qualname__", "__doc__"):
+            if hasattr(original, name):
+                setattr(self, name, getattr(original, name))
+
+    @property
+    def __wrapped__(self):
+        """The wrapped forward, for ``inspect.signature`` (the Trainer reads its parameters); a property, as a
+        bound method kept here would not follow the model into a copy."""
+        return self.original
+
+    @property
+    def original(self):
+        return self._other if self._function is None else self._function.__get__(self.model)
+
+    def __call__(self, *args, **kwargs):
+        model, state, original = self.model, self.settings, self.original
+        if state is None or state.retired:  # unpickled in another process, or the SP loss was undone
+            return original(*args, **kwargs)
         shift_labels = kwargs.pop("shift_labels", None)
         if shift_labels is None:
             return original(*args, **kwargs)
         kwargs.pop("labels", None)  # shift_labels are these labels already shifted (and sharded): they win
         fused = bool(kwargs.get("fused_lm_head"))
-        with sp_router_scope(state["group"], state["grad_scale"], state["watch"]):
+        with sp_router_scope(state.group, state.grad_scale, state.watch):
             if fused:
                 outputs = _fused_head_loss(model, original, args, kwargs, shift_labels, state)
-            elif state["loss_fn"] is not None:
-                outputs = state["loss_fn"](model, args, kwargs, shift_labels, state["group"], state["grad_scale"])
+            elif state.loss_fn is not None:
+                outputs = state.loss_fn(model, args, kwargs, shift_labels, state.group, state.grad_scale)
             else:
                 outputs = original(*args, **kwargs)
-                outputs.loss = sp_loss_from_logits(outputs.logits, shift_labels, state["group"], state["grad_scale"],
-                                                   watch=state["watch"])
-            from_decoder = not fused and state["loss_fn"] is not None
-            return _with_router_loss(model, outputs, kwargs.get("attention_mask"), state["router"], fused, from_decoder)
-
-    state["forward"] = forward
-    PATCHES.set_attr(model, "forward", forward, _TAG, owner=model)
+                outputs.loss = sp_loss_from_logits(outputs.logits, shift_labels, state.group, state.grad_scale,
+                                                   watch=state.watch)
+            from_decoder = not fused and state.loss_fn is not None
+            return _with_router_loss(model, outputs, kwargs.get("attention_mask"), state.router, fused, from_decoder)
 
 
 def _fused_head_loss(model, original, args, kwargs, shift_labels, state):
@@ -162,7 +205,7 @@ def _fused_head_loss(model, original, args, kwargs, shift_labels, state):
             "'log_probs' and 'label_mask' tensors; expected TRL's fused LM head output (FusedCausalLMOutput), whose "
             "per-token log-probs the SP loss reduces over the SP group; fix: add the head with "
             "trl.trainer.utils.add_fused_lm_head, or call the model without fused_lm_head")
-    counts = TokenCounts(int(mask.sum()), int(bad), state["group"], state["grad_scale"], vocab, state["watch"])
+    counts = TokenCounts(int(mask.sum()), int(bad), state.group, state.grad_scale, vocab, state.watch)
     outputs.loss = GlobalTokenMean.apply(-log_probs.sum(), counts)
     return outputs
 

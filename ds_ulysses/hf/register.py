@@ -65,6 +65,21 @@ class UlyssesSPAttentionHF(UlyssesAttention):
                                           max_length, mesh=mesh, scope=scope)
 
 
+class _Served:
+    """A text config whose model SP serves (its mask is not built): weak references, so a served copy of a
+    model leaves no trace once it is gone."""
+
+    def __init__(self, uattn, model, config):
+        self.uattn, self._model, self._config = uattn, weakref.ref(model), weakref.ref(config)
+
+    @property
+    def model(self):
+        return self._model()
+
+    def is_for(self, config) -> bool:
+        return self._config() is config
+
+
 class _Dispatch:
     """What runs under one core's name once SP is registered for it."""
 
@@ -72,8 +87,20 @@ class _Dispatch:
         self.core, self.attention, self.mask = core, attention, mask  # the originals
         self.global_attn: UlyssesSPAttentionHF | None = None
         self.by_module: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> wrapper
-        self.sp_configs: dict[int, tuple] = {}  # id(text config) -> (wrapper, model): their masks are not built
+        self.sp_configs: dict[int, _Served] = {}  # id(text config) -> what serves it (configs are unhashable)
         self.sinks_reach_kernel = False  # checked once: a call's attention sinks reach the core's kernel
+
+    def served(self, config) -> _Served | None:
+        entry = self.sp_configs.get(id(config))
+        return entry if entry is not None and entry.is_for(config) else None
+
+    def serve_config(self, config, uattn, model) -> None:
+        """Build no mask for ``config``'s model (SP rebuilds causality from the global positions)."""
+        self.sp_configs[id(config)] = _Served(uattn, model, config)
+        weakref.finalize(config, self.forget_config, id(config))
+
+    def forget_config(self, config_id: int) -> None:
+        self.sp_configs.pop(config_id, None)
 
     def attention_for(self, module):
         uattn = self.by_module.get(module)
@@ -86,7 +113,7 @@ class _Dispatch:
         if uattn is None:  # not SP's (a vision tower, another model): the original core
             return self.attention(module, query, key, value, attention_mask, *args, **kwargs)
         if attention_mask is not None and sp_active(uattn, module) and \
-                id(getattr(module, "config", None)) in self.sp_configs:
+                self.served(getattr(module, "config", None)) is not None:
             # this model's mask builder returns None under SP, so the mask was made by the module itself
             raise ValueError(
                 f"model not servable by Ulysses SP: {type(module).__name__} passes an attention mask it builds "
@@ -106,10 +133,10 @@ class _Dispatch:
     def build_mask(self, *args, **kwargs):
         # under SP the mask is rebuilt from the global position_ids; a local one would be wrong and
         # O(sl_l^2) memory, so SP models get none
-        entry = self.sp_configs.get(id(kwargs.get("config")))
+        entry = self.served(kwargs.get("config"))
         if entry is not None:
-            uattn, model = entry
-            if not (uattn.disable_in_eval and model is not None and not model.training):
+            uattn, model = entry.uattn, entry.model
+            if model is None or uattn.serves(model):
                 if _looks_ahead(kwargs) and (uattn.input_verdict is None or uattn.input_verdict.ok):
                     uattn.input_verdict = PositionCheck(Problem.MASK_LOOKS_AHEAD)  # every rank raises at the gather
                 return None
@@ -270,6 +297,7 @@ def register_with_transformers(model_name_or_path, core_attn_implementation, seq
     dispatch = _dispatch(core_attn_implementation)
     uattn = _wrapper(dispatch.attention, config, core_attn_implementation, mesh, micro_batch_size, seq_length,
                      seq_length_is_variable, disable_in_eval)
+    PATCHES.on_undo(uattn.retire, _TAG)
     if scope == "model":
         _serve_model(dispatch, module, uattn)
     else:
@@ -313,15 +341,31 @@ def _serve_model(dispatch: _Dispatch, model, uattn) -> None:
     decoder = decoder_of(model)
     for module in decoder.modules():
         dispatch.by_module[module] = uattn
-    dispatch.sp_configs[id(text)] = (uattn, model)
+    dispatch.serve_config(text, uattn, model)
     PATCHES.on_undo(functools.partial(_forget, dispatch, list(decoder.modules()), id(text)), _TAG, owner=model)
-    watch_decoder(decoder, uattn, owner=model, tag=_TAG)
+    watch_decoder(decoder, uattn, owner=model, tag=_TAG, adopt=functools.partial(_serve_copy, True))
 
 
 def _forget(dispatch: _Dispatch, modules, config_id: int) -> None:
     for module in modules:
         dispatch.by_module.pop(module, None)
-    dispatch.sp_configs.pop(config_id, None)
+    dispatch.forget_config(config_id)
+
+
+def _serve_copy(model_scope: bool, uattn, decoder) -> None:
+    """At each SP forward (the decoder's pre-hook): a decoder with this registration's hooks that its
+    dispatcher does not know is a copy of one it serves (``copy.deepcopy``, a pickle loaded in this process;
+    the hooks and ``uattn`` came with it), so it is served as the original is: by this SP attention (model
+    scope: its modules; global scope: every causal module already) and with no mask built. The entries are weak:
+    a discarded copy leaves nothing behind."""
+    dispatch = _dispatches.get(uattn.core_attn_implementation)
+    text = text_config(decoder)
+    if dispatch is None or dispatch.served(text) is not None:
+        return
+    if model_scope:
+        for module in decoder.modules():
+            dispatch.by_module[module] = uattn
+    dispatch.serve_config(text, uattn, decoder)
 
 
 def _serve_globally(dispatch: _Dispatch, uattn, model) -> None:
@@ -359,16 +403,16 @@ def _adopt(model) -> None:
     check_model_servable(model.config, model)  # the head too: a decoder's own post_init runs before its model's
     if decoder.__dict__.get("_ulysses_hooks", (None,))[0] is dispatch.global_attn:
         return  # adopted already
-    dispatch.sp_configs[id(text)] = (dispatch.global_attn, decoder)
-    watch_decoder(decoder, dispatch.global_attn, owner=None, tag=_TAG)
+    dispatch.serve_config(text, dispatch.global_attn, decoder)
+    watch_decoder(decoder, dispatch.global_attn, owner=None, tag=_TAG, adopt=functools.partial(_serve_copy, False))
 
 
 def sp_attention_of(model):
     """The SP attention serving ``model``'s text decoder (by either scope), or None."""
     text = text_config(decoder_of(model))
     dispatch = _dispatches.get(getattr(text, "_attn_implementation", None))
-    entry = dispatch.sp_configs.get(id(text)) if dispatch is not None else None
-    return None if entry is None else entry[0]
+    entry = dispatch.served(text) if dispatch is not None else None
+    return None if entry is None else entry.uattn
 
 
 def unregister_from_transformers() -> None:
