@@ -40,17 +40,22 @@ def unserved_loss_scope(owner: str | None):
         _UNSERVED_LOSS.reset(token)
 
 
-def watch_decoder(decoder, uattn, owner, tag: str) -> None:
+def watch_decoder(decoder, uattn, owner, tag: str, adopt=None) -> None:
     """Hooks around the decoder's forward: its position_ids are judged before Transformers could
     invent local ones, and a forward that never reached the SP attention is an error, not plain
     data parallelism (a model that chose its attention path at construction, say). A decoder an
     earlier registration watched (a model built under one global registration and registered again,
     as a second Trainer in the same process does) gets this registration's hooks instead. The hooks
     are undone with the registration's ``tag``, as belonging to ``owner`` (the model registered by
-    object; None for a global registration)."""
+    object; None for a global registration).
+
+    The hooks travel with copies of the model (``copy.deepcopy``, pickling), sharing ``uattn``; at each SP
+    forward the pre-hook calls ``adopt(uattn, decoder)`` (a picklable callable), which lets the registration
+    serve a copy it has not seen as it serves the original. Once the registration is undone (``uattn`` retired,
+    or absent in a process that unpickled the model), a copy's hooks do nothing."""
     for handle in decoder.__dict__.get("_ulysses_hooks", (None,))[1:]:
         handle.remove()
-    before = decoder.register_forward_pre_hook(functools.partial(_check_positions, uattn), with_kwargs=True)
+    before = decoder.register_forward_pre_hook(functools.partial(_check_positions, uattn, adopt), with_kwargs=True)
     after = decoder.register_forward_hook(functools.partial(_check_sp_ran, uattn))
     taken = [child.register_forward_pre_hook(functools.partial(_note_positions_taken, uattn), with_kwargs=True)
              for child in decoder.children()]
@@ -62,11 +67,18 @@ def watch_decoder(decoder, uattn, owner, tag: str) -> None:
                     owner=owner)
 
 
+def _live(uattn) -> bool:
+    """Whether a hook's registration still stands (see :func:`watch_decoder`)."""
+    return uattn is not None and not uattn.retired
+
+
 def sp_active(uattn, module) -> bool:
-    return uattn.world_size > 1 and not (uattn.disable_in_eval and not module.training)
+    return _live(uattn) and uattn.serves(module)
 
 
 def _check_sp_ran(uattn, module, args, output):
+    if not _live(uattn):
+        return
     _await_backward(uattn, module, output)
     if sp_active(uattn, module) and uattn.watch.step == module.__dict__.get("_ulysses_watched"):
         raise ValueError(
@@ -105,32 +117,32 @@ def _note_positions_taken(uattn, module, args, kwargs):
     """Pre-hook of the decoder's own modules: did one (a position or rotary embedding) take the model call's
     position_ids tensor itself? Then the model places its tokens by them, and an attention call that gets
     none may use them (:meth:`~ds_ulysses.sp.attention.UlyssesAttention._gather_positions`)."""
-    given = uattn.call_positions
+    given = uattn.call_positions if _live(uattn) else None
     if given is not None and any(x is given for x in (*args, *kwargs.values())):
         uattn.call_positions_taken = True
 
 
-def _check_positions(uattn, module, args, kwargs):
+def _check_positions(uattn, adopt, module, args, kwargs):
     """Decoder pre-hook: judge the call's position_ids before the model uses them.
 
     The verdict reaches every SP rank through the attention's first gather. A mis-shaped tensor is
     swapped for a local stand-in so this rank gets that far (RoPE would raise here, alone). The
     attention's gathered positions are scoped to this forward (gradient-checkpointing recomputes in
-    backward still reuse them).
+    backward still reuse them). An input the data adapter yielded as a shard runs SP in eval mode too
+    (``disable_in_eval`` serves whole samples): a model left in eval mode (``from_pretrained`` returns one)
+    trains as in train mode, and a reference model scores the shards its policy trains on.
     """
-    ids = args[0] if args else kwargs.get("input_ids")
-    if not sp_active(uattn, module):
-        if uattn.world_size > 1 and SHARDS.is_shard(uattn.process_group, ids):
-            raise ValueError(
-                f"{type(module).__name__} got a sequence shard from UlyssesSPDataLoaderAdapter in eval mode, where "
-                "SP is disabled (disable_in_eval; Accelerate and the Trainer always register it so): each rank would "
-                "attend only within its own shard, silently wrong; expected whole samples when SP is off; fix: "
-                "evaluate with a loader the adapter does not wrap (under Accelerate, prepare the eval DataLoader in "
-                "its own accelerator.prepare call), or keep SP on in eval (disable_in_eval false, under "
-                "ds_ulysses.initialize)")
+    if not _live(uattn):
         return None
+    ids = args[0] if args else kwargs.get("input_ids")
+    uattn.shard_input = (uattn.world_size > 1 and uattn.disable_in_eval and not module.training
+                         and SHARDS.yielded(uattn.process_group, ids))
+    if not uattn.serves(module):
+        return None
+    if adopt is not None:
+        adopt(uattn, module)
     owner = _UNSERVED_LOSS.get()
-    if owner is not None and module.training:
+    if owner is not None and (module.training or torch.is_grad_enabled()):
         raise ValueError(
             f"Ulysses SP (sp_size={uattn.world_size}) cannot serve {owner}: it computes its training loss without "
             "Trainer.compute_loss, so that loss reads each rank's shard of a sample as the whole sample (a "
@@ -147,6 +159,9 @@ def _check_positions(uattn, module, args, kwargs):
     if not torch.is_tensor(ref) or ref.dim() < 2:
         return None
     bs, sl_l = ref.shape[:2]
+    mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
+    if torch.is_tensor(mask) and mask.shape == (bs, sl_l) and not bool(mask.all()):
+        uattn.call_padding = mask == 0  # [bs sl_l]: rides in the attention's position gather
     uattn.input_verdict = check_positions(given, bs, sl_l)
     if uattn.input_verdict.ok:
         uattn.call_positions = given

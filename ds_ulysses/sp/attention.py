@@ -29,10 +29,11 @@ from ..config import attn_implementations
 from ..distributed import HeadLayout, HeadsToSeq, SeqToHeads
 from ..distributed.collectives import collective_device
 from ..distributed.watch import GroupWatch
+from ..patching import ProcessLocal
 from .batch_check import VARLEN_KEYS
 from .forward_check import ForwardFacts, PositionCheck, Problem, ShardCheck, check_forward, check_positions
 from .heads import HeadPlan, plan_heads
-from .packed import find_documents, packed_attention
+from .packed import find_documents, isolate_left_padding, mark_padding, packed_attention
 
 __all__ = ["UlyssesAttention", "check_core_attention", "core_kind"]
 
@@ -65,7 +66,7 @@ def check_core_attention(name) -> None:
     core_kind(name)
 
 
-class UlyssesAttention(torch.nn.Module):
+class UlyssesAttention(ProcessLocal, torch.nn.Module):
     """Sequence-parallel attention around a core attention function of Transformers' signature.
 
     The machinery behind :class:`ds_ulysses.UlyssesSPAttentionHF`: DeepSpeed's constructor, and
@@ -76,7 +77,8 @@ class UlyssesAttention(torch.nn.Module):
     attended per document under every core. The head counts given to the constructor are the
     config's; each call's own q/k/v decide the head split. Keyword-only extras: ``watch`` (the mesh's
     ``sp_watch``: names the group and counts steps in failure messages) and ``sliding_layers``
-    (indices of layers that must receive their window as ``sliding_window``).
+    (indices of layers that must receive their window as ``sliding_window``). Copies of a model share
+    their SP attention (:class:`~ds_ulysses.patching.ProcessLocal`): it holds the process group.
     """
 
     def __init__(self, attn, batch_size: int, attn_head_count: int, attn_head_size: int,
@@ -98,6 +100,11 @@ class UlyssesAttention(torch.nn.Module):
         self.num_hidden_layers, self.seq_length_is_variable = num_hidden_layers, seq_length_is_variable
         self.local_seq_length, self.global_seq_length = local_seq_length, global_seq_length
         self.disable_in_eval = disable_in_eval
+        # set per forward by the decoder's hook: the model input is a sequence shard the data adapter yielded,
+        # so SP runs even in eval mode under disable_in_eval (a model trained without model.train(), a
+        # reference model in eval mode scoring the same shards); whole samples in eval mode still run without SP
+        self.shard_input = False
+        self.retired = False  # its registration was undone: copies of a model it served compute as plain models
         plan_heads(attn_head_count, kv_head_count, self.world_size)  # the config's layout must be servable
         self.watch = watch if watch is not None else GroupWatch.of_group(process_group)
         self.sliding_layers = sliding_layers  # layer_idx of layers whose window must arrive as a kwarg
@@ -113,6 +120,7 @@ class UlyssesAttention(torch.nn.Module):
         self.call_positions = None
         self.call_positions_taken = False
         self.call_positions_served = False  # this forward's attention calls got them from here
+        self.call_padding = None  # the model call's padding ([bs sl_l] bool, True at pad tokens), set by the hook
         self.forwards = 0  # model forwards begun (new_forward): a recompute in backward belongs to the latest
         self._forward_state = None  # (position_ids as given, its version, gathered state)
         self._plans: dict[tuple[int, int], HeadPlan] = {}
@@ -124,11 +132,22 @@ class UlyssesAttention(torch.nn.Module):
         after construction, so it is read at every call."""
         return core_kind(self.core_attn_implementation)
 
+    def serves(self, module) -> bool:
+        """Whether a call from ``module`` runs SP: on more than one rank, unless ``disable_in_eval`` holds in eval
+        mode for an input that is not a sequence shard (whole evaluation samples)."""
+        return (self.world_size > 1 and not self.retired
+                and (module.training or not self.disable_in_eval or self.shard_input))
+
+    def retire(self) -> None:
+        """The registration is undone: from now on the models (and copies) it served compute without SP."""
+        self.retired = True
+
     def new_forward(self) -> None:
         """Forget the gathered positions: the next layer call starts a new model forward (called by the
         decoder's pre-forward hook; without it a forward is recognised by its position_ids tensor)."""
         self._forward_state = None
         self.call_positions, self.call_positions_taken, self.call_positions_served = None, False, False
+        self.call_padding = None
         self.forwards += 1
 
     # -- once per model forward -----------------------------------------------------------------
@@ -140,7 +159,9 @@ class UlyssesAttention(torch.nn.Module):
         takes the model call's, if the model's own position or rotary embedding took them, as its mask
         builder does; otherwise it is refused. The first gather also carries each rank's check of its
         inputs (``varlen``: the call carries a batch's varlen offsets), so every rank raises the same
-        error or none does.
+        error or none does. The model call's padding rides in the positions' gather
+        (:func:`~ds_ulysses.sp.packed.mark_padding`): left padding is attended as no key and gets no output
+        (:func:`~ds_ulysses.sp.packed.isolate_left_padding`), as the padding mask makes it without SP.
         """
         if given is None and self.call_positions_taken:
             given, self.call_positions_served = self.call_positions, True
@@ -168,12 +189,15 @@ class UlyssesAttention(torch.nn.Module):
         seq_lens = tuple(f.seq_len for f in every)
         local = given.expand(bs, sl_l) if given.shape[0] != bs else given
         padded = torch.zeros(bs, max(seq_lens), dtype=torch.long, device=device)
-        padded[:, :sl_l] = local
+        padding = self.call_padding if self.call_padding is not None and self.call_padding.shape == (bs, sl_l) \
+            else None
+        padded[:, :sl_l] = mark_padding(local, None if padding is None else padding.to(local.device))
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
         with self.watch.collective("the attention's position_ids gather"):
             dist.all_gather(parts, padded, group=self.process_group)
-        positions = torch.cat([p[:, :n] for p, n in zip(parts, seq_lens)], dim=1).to(query.device)  # [bs sl]
-        gathered = _Gathered(positions, seq_lens, find_documents(positions))
+        marked = torch.cat([p[:, :n] for p, n in zip(parts, seq_lens)], dim=1).to(query.device)  # [bs sl]
+        positions, left_padding = isolate_left_padding(marked)
+        gathered = _Gathered(positions, seq_lens, find_documents(positions), left_padding)
         self._forward_state = (given, given._version, gathered)
         return gathered
 
@@ -198,7 +222,7 @@ class UlyssesAttention(torch.nn.Module):
         ``attention_mask`` is ignored under SP: a mask built for the local shard means nothing
         after the all-to-all; causality and document boundaries come from the global position_ids.
         """
-        if self.world_size == 1 or (self.disable_in_eval and not module.training):
+        if not self.serves(module):
             return self.attn(module, query, key, value, attention_mask, *rest, **kwargs)
         hc, hc_kv = query.shape[1], key.shape[1]
         varlen = any(kwargs.get(name) is not None for name in VARLEN_KEYS)
@@ -216,6 +240,8 @@ class UlyssesAttention(torch.nn.Module):
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
         kwargs["position_ids"] = state.positions
         out, weights = self._core(module, q, k, v, state, self._plan(hc, hc_kv), *rest, **kwargs)  # [bs sl hc_l hs]
+        if state.left_padding is not None:  # a pad query attends to no key: zero, as without SP
+            out = out.masked_fill(state.left_padding[:, :, None, None], 0)
         # [bs sl hc_l hs] -> all-to-all -> [bs sl_l hc hs]
         try:
             (out,) = HeadsToSeq.apply(self._layout(seq_lens, hc, hc_kv, False), out)
@@ -279,8 +305,9 @@ def _own_sinks(sinks, plan: HeadPlan, rank: int) -> torch.Tensor:
 class _Gathered:
     """What one model forward shares across its layers: global positions, shard lengths, documents."""
 
-    def __init__(self, positions: torch.Tensor, seq_lens: tuple[int, ...], docs):
+    def __init__(self, positions: torch.Tensor, seq_lens: tuple[int, ...], docs, left_padding=None):
         self.positions, self.seq_lens, self.docs = positions, seq_lens, docs
+        self.left_padding = left_padding  # [bs sl] True at left padding, or None
         self._flex_masks: dict = {}
 
     def flex_mask(self, window):

@@ -100,21 +100,31 @@ def _check_ints(key, value, low, high, ignore) -> None:
 
 
 def _check_attention_mask(mask: torch.Tensor) -> None:
-    """SP drops the attention mask (it is rebuilt from global positions), which is harmless only for
-    right padding: causal attention never lets a real token see the pad tokens after it."""
+    """SP rebuilds attention from global positions and the model call's padding, which serves padding before
+    the real tokens (left padding: attended by no one, and attending to nothing, as the padding mask makes it
+    without SP) and after them (causal attention never lets a real token see it), but not a hole between
+    real tokens."""
     keep = mask != 0
-    # a row is ones then zeros exactly when it never goes from 0 back to 1
-    if keep.dim() == 2 and bool((keep[:, 1:] & ~keep[:, :-1]).any()):
+    if keep.dim() != 2:
+        return
+    started = keep.long().cumsum(dim=1) > 0                                  # at or after a row's first real token
+    more = keep.long().flip(1).cumsum(dim=1).flip(1) > 0                     # at or before its last real token
+    holes = ~keep & started & more
+    if bool(holes.any()):
+        row, pos = (int(i) for i in holes.nonzero()[0])
         raise ValueError(
-            "attention_mask has padding before real tokens (left padding or holes); Ulysses SP ignores "
-            "the attention mask, so real tokens would attend to that padding; expected right padding "
-            "(ones, then zeros) with labels -100 on the padding; fix: pad on the right, or pack documents "
-            "with position_ids restarting at 0")
+            f"attention_mask has padding between real tokens (row {row}, token {pos}); Ulysses SP serves padding "
+            "before the real tokens (left padding) and after them, but a hole needs a mask its per-document "
+            "attention cannot give, so real tokens would attend to it; expected each row's real tokens "
+            "contiguous; fix: pad on the left or the right only, or pack documents with position_ids restarting "
+            "at 0")
 
 
 def _check_padding_unlabelled(mask: torch.Tensor, batch) -> None:
-    """Without the mask, padding attends to padding: its own predictions differ from training without SP
-    (real tokens' do not), which is harmless only when every label a pad position predicts is -100."""
+    """Padding after the real tokens attends to the padding before it under SP (without SP the mask hides
+    it): its own predictions differ from training without SP (real tokens' do not), which is harmless only
+    when every label such a position predicts is -100. Left padding attends to nothing either way, so its
+    predictions (the last pad's is the first real token) are those of training without SP."""
     if mask.dim() != 2:
         return
     if "shift_labels" in batch:
@@ -123,13 +133,14 @@ def _check_padding_unlabelled(mask: torch.Tensor, batch) -> None:
         predicted = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
     else:
         return
-    learnt = (mask == 0) & (predicted != IGNORE_INDEX)
+    trailing = (mask == 0) & ((mask != 0).long().cumsum(dim=1) > 0)         # padding after a real token
+    learnt = trailing & (predicted != IGNORE_INDEX)
     if bool(learnt.any()):
         row, pos = (int(i) for i in learnt.nonzero()[0])
         raise ValueError(
             f"attention_mask marks token {pos} of row {row} as padding, but the label it predicts (the next "
-            f"token's) is {int(predicted[row, pos])}, not -100; Ulysses SP ignores the attention mask, so the "
-            "padding attends to padding and its predictions would differ from training without SP; expected "
+            f"token's) is {int(predicted[row, pos])}, not -100; under Ulysses SP padding after the real tokens "
+            "attends to the padding before it, so its predictions would differ from training without SP; expected "
             "labels -100 on padding; fix: label pad tokens -100 (as DataCollatorForLanguageModeling does)")
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DocSpans", "find_documents", "packed_attention"]
+__all__ = ["DocSpans", "find_documents", "packed_attention", "mark_padding", "isolate_left_padding"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,47 @@ def find_documents(position_ids: torch.Tensor) -> DocSpans:
         packed |= len(idx) > 2
         spans.extend((row, a, b - a) for a, b in zip(idx[:-1], idx[1:]))
     return DocSpans(tuple(spans), packed)
+
+
+def mark_padding(positions: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor:
+    """Positions ``[bs sl_l]`` with each pad token's ``p`` sent as ``-1 - p`` (positions are >= 0), so the
+    gather that carries the positions carries the padding too; ``pad`` is True at padding, or None."""
+    return positions if pad is None else torch.where(pad, -1 - positions, positions)
+
+
+def isolate_left_padding(marked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gathered, marked positions ``[bs sl]`` -> (positions for the attention, left padding or None).
+
+    Left padding (the pad tokens before a row's first real token; Llama's tokenizer pads so) must neither
+    be seen by the real tokens nor see anything: without SP, the padding mask leaves each pad query no key,
+    and sdpa and flash attention both give it a zero output. Here each pad token becomes a document of its
+    own, at the position of the row's first real token (a position that restarts whichever way a core
+    reads documents: a break in the +1 run, or the row's smallest position), and the caller zeroes its output.
+    The real tokens keep their positions. Padding after the real tokens keeps its positions: causal attention
+    never lets a real token see it. A hole (padding between real tokens) would need a mask no document
+    layout gives, so it is refused on every rank alike.
+    """
+    pad = marked < 0
+    if not bool(pad.any()):
+        return marked, None
+    positions = torch.where(pad, -1 - marked, marked)                       # [bs sl]
+    real = ~pad
+    left = real.cumsum(dim=1) == 0                                          # [bs sl] before a row's first real
+    after = real.flip(1).cumsum(dim=1).flip(1) > 0                          # [bs sl] a real token at or after
+    holes = pad & ~left & after
+    if bool(holes.any()):
+        row, col = (int(i) for i in holes.nonzero()[0])
+        raise ValueError(
+            f"the attention mask has padding between real tokens (row {row}, token {col} of the gathered "
+            "sequence); Ulysses SP serves padding before the real tokens (left padding) and after them, where a "
+            "hole needs a mask that its per-document attention cannot give, so real tokens would attend to it; "
+            "expected each row's real tokens contiguous; fix: pad on the left or the right only, or pack "
+            "documents with position_ids restarting at 0")
+    if not bool(left.any()):
+        return positions, None
+    first = real.long().argmax(dim=1, keepdim=True)                         # [bs 1] (0 for an all-pad row)
+    positions = torch.where(left, positions.gather(1, first), positions)
+    return positions, left
 
 
 def _buckets(spans):

@@ -97,9 +97,11 @@ class ShardLedger:
             return ShardCheck(ShardStatus.NOT_A_SHARD, rows=input_ids.shape[0], cols=input_ids.shape[-1])
         return ShardCheck(ShardStatus.SHARD, serial=serial)
 
-    def is_shard(self, group, input_ids) -> bool:
-        """Whether ``input_ids`` is a shard an adapter yielded for a checked ``group``."""
-        return self.verdict(group, input_ids).status == ShardStatus.SHARD
+    def yielded(self, group, input_ids) -> bool:
+        """Whether an adapter yielded ``input_ids`` as a shard for ``group`` (checked or not)."""
+        entry = self._groups.get(group) if group is not None else None
+        return (entry is not None and torch.is_tensor(input_ids)
+                and entry.serials.get(fingerprint(input_ids)) is not None)
 
 
 SHARDS = ShardLedger()

@@ -30,6 +30,13 @@ CASES = {
     "packed-batch2-sp4": (4, dict(family="qwen3", heads=8, kv_heads=4, bs=2, length=40, docs=[3, 17, 20])),
     "ragged-48-80-sp2": (2, dict(family="llama", heads=4, lens=[48, 80])),
     "right-padded-batch2-sp2": (2, dict(family="llama", heads=4, kv_heads=2, bs=2, length=24, right_pad=9)),
+    # left padding (Llama's tokenizer): padding attends to nothing and is seen by no real token, as the mask
+    # makes it without SP; the last pad predicts the first real token. Rows padded differently, padding over
+    # whole shards (ranks 0-1 of 4 hold only padding), both ends padded, an odd length the adapter pads
+    "left-padded-batch2-sp2": (2, dict(family="llama", heads=4, kv_heads=2, bs=2, length=24, left_pad=(9, 2))),
+    "left-padded-whole-shards-sp4": (4, dict(family="llama", heads=4, kv_heads=2, length=20, left_pad=(13,))),
+    "left-and-right-padded-sp2": (2, dict(family="qwen2", heads=4, kv_heads=2, bs=2, length=23, left_pad=(5, 0),
+                                          right_pad=4)),
     # torch.compile (the Trainer's torch_compile): dynamo and AOTAutograd trace the attention's all-to-alls;
     # inductor gives the same on CPU (2026-11-27: grads 3.4e-7) but adds about 35 s of C++ builds on a cold cache
     "compiled-aot-eager-sp2": (2, dict(family="llama", heads=4, kv_heads=2, length=32, compile="aot_eager")),
@@ -37,6 +44,8 @@ CASES = {
     # 39 tokens: the adapter pads one and adds an attention mask, which the flash path must still not get
     "flash-standin-packed-sp2": (2, dict(family="llama", heads=4, kv_heads=2, attn="flash_attention_2",
                                          length=39, docs=[7, 13, 19])),
+    "flash-standin-left-padded-sp2": (2, dict(family="llama", heads=4, kv_heads=2, attn="flash_attention_2",
+                                              length=30, left_pad=(11,))),
     # GPT-OSS's attention sinks, one per query head, 6 heads on 4 ranks (2, 2, 1, 1): each rank's core gets its
     # heads' sinks (the unsharded model runs eager: it supports no sdpa)
     "flash-standin-sinks-sp4": (4, dict(family="gpt_oss", heads=6, kv_heads=2, attn="flash_attention_2",

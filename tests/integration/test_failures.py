@@ -58,9 +58,9 @@ def _sc_not_json(rank, group):
     _adapter_next(rank, group, [{"input_ids": _ids(1, 8), "meta": {1, 2}}, {"input_ids": _ids(1, 8), "meta": "x"}])
 
 
-def _sc_left_padding(rank, group):
+def _sc_padding_hole(rank, group):
     mask = torch.ones(1, 8, dtype=torch.long)
-    mask[0, 0] = 0 if rank == 1 else 1
+    mask[0, 3] = 0 if rank == 1 else 1
     _adapter_next(rank, group, [{"input_ids": _ids(1, 8), "attention_mask": mask}] * 2)
 
 
@@ -179,7 +179,8 @@ SCENARIOS = {
                                      rf"\[0, {VOCAB}\), got 500"),
     "not_json": (_sc_not_json, "ValueError: SP rank 0: non-tensor batch entries 'meta' \\(set\\) are not "
                                "JSON-serializable.*never pickled"),
-    "left_padding": (_sc_left_padding, "SP rank 1: attention_mask has padding before real tokens"),
+    "padding_hole": (_sc_padding_hole, r"SP rank 1: attention_mask has padding between real tokens \(row 0, "
+                                       r"token 3\)"),
     "unpadded_length": (_sc_unpadded_length, "SP rank 1: sequence length 7 is not divisible by "
                                              "sequence_parallel_size=2"),
     "both_bad": (_sc_both_bad, r"SP rank 0 \(ranks \[1\] failed too\): 'input_ids' must be an integer tensor"),

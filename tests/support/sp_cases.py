@@ -15,12 +15,14 @@ from tests.support.models import VOCAB, rel_err, tiny_config, tiny_model
 
 
 def make_sample(seed: int, length: int, bs: int = 1, docs: list[int] | None = None,
-                mask_crossing: bool = True, right_pad: int = 0) -> dict:
+                mask_crossing: bool = True, right_pad: int = 0, left_pad: tuple[int, ...] = ()) -> dict:
     """input_ids/labels/position_ids; with ``docs`` the sample packs documents of those lengths.
 
     ``mask_crossing`` sets the label of each document's first token to -100, so no token is trained
     to predict the next document (what a packing collator does). ``right_pad`` pads the last row's
     end: an attention_mask with that many zeros, their labels -100 (what a padding collator does).
+    ``left_pad[r]`` pads row r's beginning the same way (Llama's tokenizer pads on the left), so the last
+    pad predicts the row's first real token, as DataCollatorForLanguageModeling labels it.
     """
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (bs, length), generator=g)
@@ -35,10 +37,14 @@ def make_sample(seed: int, length: int, bs: int = 1, docs: list[int] | None = No
         if mask_crossing:
             labels[:, starts] = -100
     sample = {"input_ids": ids, "labels": labels, "position_ids": pos}
-    if right_pad:
+    if right_pad or any(left_pad):
         sample["attention_mask"] = torch.ones_like(ids)
+    if right_pad:
         sample["attention_mask"][-1, length - right_pad:] = 0
         labels[-1, length - right_pad:] = -100
+    for row, pad in enumerate(left_pad):
+        sample["attention_mask"][row, :pad] = 0
+        labels[row, :pad] = -100
     return sample
 
 
@@ -108,7 +114,7 @@ def _build(case: dict, world_size: int):
     bs = case.get("bs", 1)
     lens = case.get("lens", [case.get("length", 16)] * world_size)
     samples = [make_sample(100 + k, lens[k], bs, case.get("docs"), case.get("mask_crossing", True),
-                           case.get("right_pad", 0)) for k in range(world_size)]
+                           case.get("right_pad", 0), case.get("left_pad", ())) for k in range(world_size)]
     return base, samples, bs
 
 
@@ -162,6 +168,8 @@ def run_cases(rank: int, world_size: int, fn_name: str, cases: dict) -> dict:
     """Several cases in one process group (spawning ranks costs more than a tiny case)."""
     import traceback
 
+    import ds_ulysses
+
     fn = globals()[fn_name]
     out = {}
     for name, case in cases.items():
@@ -169,4 +177,6 @@ def run_cases(rank: int, world_size: int, fn_name: str, cases: dict) -> dict:
             out[name] = fn(rank, world_size, case)
         except Exception:  # reported per case by the test that owns it
             out[name] = traceback.format_exc()
+        finally:  # each case registers afresh (a flash case puts its stand-in kernel in Transformers' table)
+            ds_ulysses.uninstall()
     return out

@@ -281,9 +281,11 @@ def trainer_refusals(rank: int, world_size: int, out_dir: str) -> dict:
 
 
 def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: int = 3,
-                   eval_on_shards: bool = False, library: str = "ours", loss: str = "model") -> dict:
+                   eval_mode: bool = False, library: str = "ours", loss: str = "model") -> dict:
     """A plain Accelerate loop (``accelerator.prepare`` / ``accelerator.backward``) with SP from ``switch``;
-    ``eval_on_shards`` then feeds the sharded train loader to the model in eval mode. ``library``
+    ``eval_mode`` leaves the model in eval mode through the whole loop, as a loop does that loads the model with
+    ``from_pretrained`` (which returns it in eval mode) and never calls ``model.train()`` (Accelerate's ALST
+    test script). ``library``
     "deepspeed" runs DeepSpeed's module (no ``install()``; ``switch`` must be "parallelism_config").
     ``loss`` "model" takes ``model(**batch).loss``; "example" is the loop Accelerate's ALST example and
     DeepSpeed's tutorial write for DeepSpeed's module: the model's loss function on this rank's
@@ -325,6 +327,8 @@ def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: i
         data = [{**sample, "position_ids": torch.arange(len(sample["input_ids"]))} for sample in data]
     loader = torch.utils.data.DataLoader(data, batch_size=1)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if eval_mode:
+        model.eval()
     losses, model_losses = [], []
     group, module = groups._get_sequence_parallel_group(), accelerator.unwrap_model(model)
     for _, batch in zip(range(steps), loader):
@@ -345,13 +349,6 @@ def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: i
         losses.append(step_loss.item())
     out = {"losses": losses, "params": full_params(model), "sp": accelerator.parallelism_config.sp_size,
            "model_losses": model_losses, "trims": len(trims)}
-    if eval_on_shards:  # a wrapped loader in eval mode, where Accelerate turned SP off: refused, not wrong
-        model.eval()
-        try:
-            with torch.no_grad():
-                model(**next(iter(loader)))
-        except ValueError as err:
-            out["eval_on_shards"] = str(err)
     ds_ulysses.uninstall()
     return out
 

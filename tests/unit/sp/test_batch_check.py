@@ -41,8 +41,8 @@ BAD_BATCHES = [
     ("float position_ids", _batch(position_ids=torch.zeros(2, 6)), "'position_ids' must be an integer tensor"),
     ("negative position_ids", _batch(position_ids=torch.full((2, 6), -3)),
      "'position_ids' has a value out of range: expected >= 0, got -3"),
-    ("left padding", _batch(attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1]] * 2)),
-     "attention_mask has padding before real tokens"),
+    ("hole", _batch(attention_mask=torch.tensor([[1] * 6, [0, 1, 1, 0, 1, 1]])),
+     r"attention_mask has padding between real tokens \(row 1, token 3\)"),
     ("labelled padding", _batch(attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6]),
                                 labels=torch.tensor([[1, 2, 3, 4, -100, 7], [1] * 6])),
      "attention_mask marks token 4 of row 0 as padding, but the label it predicts .* is 7, not -100"),
@@ -59,6 +59,15 @@ def test_bad_batch_is_refused_with_its_reason(batch, phrase):
     if isinstance(batch, dict) and 3 not in batch:
         with pytest.raises(ValueError, match=phrase):  # the adapter's entry point says the same
             prepare_sample(batch, 2, vocab_size=VOCAB)
+
+
+def test_left_padding_is_accepted_with_its_last_pad_predicting_the_first_real_token():
+    """Left padding attends to nothing under SP, as the padding mask makes it without SP: its predictions are
+    the unsharded model's, so the last pad may predict the first real token (the collator labels it so)."""
+    labels = torch.tensor([[-100, -100, 3, 4, 5, 6], [1] * 6])
+    check_batch(_batch(attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6]), labels=labels), VOCAB)
+    check_batch(_batch(attention_mask=torch.tensor([[0, 1, 1, 1, 0, 0], [1] * 6]),
+                       labels=torch.tensor([[-100, 2, 3, 4, -100, -100], [1] * 6])), VOCAB)
 
 
 def test_right_padding_and_broadcast_positions_are_accepted():

@@ -36,7 +36,7 @@ def test_verdicts_of_a_required_group():
     assert ledger.verdict(group, a) == ShardCheck(ShardStatus.SHARD, serial=0)
     assert ledger.verdict(group, b) == ShardCheck(ShardStatus.SHARD, serial=1)
     assert ledger.verdict(group, torch.arange(8)[None]) == ShardCheck(ShardStatus.NOT_A_SHARD, rows=1, cols=8)
-    assert ledger.is_shard(group, b) and not ledger.is_shard(group, torch.arange(8)[None])
+    assert ledger.yielded(group, b) and not ledger.yielded(group, torch.arange(8)[None])
     assert ledger.verdict(group, None) == ShardCheck()  # inputs_embeds: nothing to compare
     ledger.release(group)
     assert ledger.verdict(group, torch.arange(8)[None]) == ShardCheck()
