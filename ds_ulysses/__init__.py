@@ -7,14 +7,16 @@ Entry points:
 - :class:`UlyssesSPAttentionHF` (``register_with_transformers``), :class:`UlyssesSPDataLoaderAdapter`:
   the drop-in API of DeepSpeed's ALST module.
 - :func:`sequence_tiled_compute`, :class:`TiledMLP`, :class:`TiledFusedLogitsLoss`: tiled compute
-  (:class:`AutogradComputeMLP`: DeepSpeed's recompute-in-backward MLP, one tile).
+  (:class:`AutogradComputeMLP`: DeepSpeed's recompute-in-backward MLP, one tile); :func:`tile_attention`:
+  each attention block a group of heads at a time.
 """
 
 from .config import UlyssesConfig, UlyssesConfigError, load_schema, parse_ds_config
 from .distributed import Mesh, SPCommError, build_mesh
 from .engine import initialize, install, uninstall
 from .hf import (UlyssesSPAttentionHF, disable_activation_checkpoint_offload, enable_activation_checkpoint_offload,
-                 enable_sp_loss, register_with_transformers, tiled_causal_lm_loss, unregister_from_transformers)
+                 enable_sp_loss, register_with_transformers, tile_attention, tiled_causal_lm_loss,
+                 unregister_from_transformers, untile_attention)
 from .memory import (AutogradComputeMLP, SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute,
                      tile_mlps, untile_mlps)
 from .sp import UlyssesSPDataLoaderAdapter, sp_loss_from_logits
@@ -24,6 +26,7 @@ __all__ = [
     "TiledMLP", "TiledFusedLogitsLoss", "AutogradComputeMLP", "initialize", "install", "uninstall",
     "UlyssesConfig", "UlyssesConfigError", "SPCommError", "parse_ds_config", "load_schema", "Mesh", "build_mesh",
     "register_with_transformers", "unregister_from_transformers", "enable_sp_loss", "sp_loss_from_logits",
-    "tiled_causal_lm_loss", "tile_mlps", "untile_mlps", "enable_activation_checkpoint_offload",
+    "tiled_causal_lm_loss", "tile_mlps", "untile_mlps", "tile_attention", "untile_attention",
+    "enable_activation_checkpoint_offload",
     "disable_activation_checkpoint_offload",
 ]

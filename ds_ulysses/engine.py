@@ -34,6 +34,7 @@ from .config import UlyssesConfig, parse_ds_config
 from .distributed.collectives import collective_device
 from .distributed.mesh import Mesh, check_mesh_param, mesh_shape
 from .distributed.watch import GroupWatch
+from .hf.attention_tiling import apply_attention_tiling, plan_attention_tiling
 from .hf.checkpointing import check_checkpoint_offload, enable_activation_checkpoint_offload
 from .hf.loss import enable_sp_loss, tiled_causal_lm_loss
 from .hf.model_facts import layout_facts, text_config, vocab_size
@@ -125,6 +126,8 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
     if section.tiled_mlp.enabled:  # refusals first, before anything changes
         router_side = _router_side(model)
         _require_mlps(model)
+    if section.tiled_attention.enabled:
+        attention_plans = plan_attention_tiling(model, mesh.sp, section.tiled_attention.shards)
     if section.activation_checkpoint_offload.enabled:
         check_checkpoint_offload(model)
     if mesh.sp > 1:
@@ -147,6 +150,8 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
         enable_sp_loss(model, mesh.sp_group, grad_scale, loss_fn, watch=mesh.sp_watch)
     if section.tiled_mlp.enabled:
         tile_mlps(model, section.tiled_mlp.shards, router_side)
+    if section.tiled_attention.enabled:
+        apply_attention_tiling(attention_plans)
     if section.activation_checkpoint_offload.enabled:
         enable_activation_checkpoint_offload(model)
 

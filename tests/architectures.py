@@ -24,7 +24,8 @@ an engine of its own) through ``ds_ulysses.initialize`` under ZeRO-3 for
 (tiled loss on, its "auto" tile count one at these lengths), the tiled loss off (the path where a model's
 head transform, Cohere ``logit_scale``, Granite ``logits_scaling``, Gemma softcapping, can be dropped),
 the loss in 4 tiles (the fused head and cross-entropy that "auto" picks at long sequences), tiled MLPs,
-checkpoint offload, and all three tools at once.
+checkpoint offload, all three tools at once, and tiled attention (``--section attention``: exact, or refused
+by name where a block is not a sum over heads).
 ``--engine-all`` runs every model through it with one section (``--section``, the default one unless told).
 
 Many models share one pair of ranks (spawning costs more than a tiny model); the parent watches
@@ -704,6 +705,8 @@ ENGINE_SECTIONS = {
     # every decoder MLP in 4 tiles (auto would leave a tiny model's 32-token shard in one)
     "mlp": {"tiled_mlp": {"enabled": True, "shards": 4}},
     "offload": {"activation_checkpoint_offload": {"enabled": True}},  # checkpointed layers, inputs on the host
+    # every attention block a group of heads at a time ("auto": the most groups whose heads split over the ranks)
+    "attention": {"tiled_attention": {"enabled": True}},
     # every tool at once (ArcticTraining's setup): tiled MLPs recomputed inside checkpointed, offloaded layers
     "all-tools": {"tiled_loss": {"enabled": True, "shards": 4}, "tiled_mlp": {"enabled": True, "shards": 4},
                   "activation_checkpoint_offload": {"enabled": True}},

@@ -2,9 +2,9 @@
 validation that names every error, and the typed frozen :class:`UlyssesConfig` built from it."""
 
 from .schema import SECTION_KEY, UlyssesConfigError, attn_implementations, load_schema
-from .section import (ActivationCheckpointOffloadConfig, TiledLossConfig, TiledMLPConfig, UlyssesConfig,
-                      parse_ds_config)
+from .section import (ActivationCheckpointOffloadConfig, TiledAttentionConfig, TiledLossConfig, TiledMLPConfig,
+                      UlyssesConfig, parse_ds_config)
 
 __all__ = ["SECTION_KEY", "UlyssesConfigError", "attn_implementations", "load_schema",
-           "ActivationCheckpointOffloadConfig", "TiledLossConfig", "TiledMLPConfig", "UlyssesConfig",
-           "parse_ds_config"]
+           "ActivationCheckpointOffloadConfig", "TiledAttentionConfig", "TiledLossConfig", "TiledMLPConfig",
+           "UlyssesConfig", "parse_ds_config"]

@@ -85,6 +85,19 @@ class TiledMLPConfig(_Section):
 
 
 @dataclass(frozen=True)
+class TiledAttentionConfig(_Section):
+    """``ulysses.tiled_attention``: each attention block a group of heads at a time, trading an attention
+    forward for its per-head activations."""
+
+    _path: ClassVar[JsonPath] = ("tiled_attention",)
+
+    enabled: bool = False
+    """Tile each decoder attention block over head groups; costs an extra attention forward in backward."""
+    shards: int | Literal["auto"] = "auto"
+    """Number of head groups, or "auto" for the most that split evenly over the SP ranks."""
+
+
+@dataclass(frozen=True)
 class TiledLossConfig(_Section):
     """``ulysses.tiled_loss``: fused logits+loss in tiles so [bs, sl, vocab] logits never exist."""
 
@@ -115,7 +128,7 @@ class UlyssesConfig(_Section):
     """
 
     _nested: ClassVar[dict[str, type]] = {
-        "tiled_mlp": TiledMLPConfig, "tiled_loss": TiledLossConfig,
+        "tiled_mlp": TiledMLPConfig, "tiled_attention": TiledAttentionConfig, "tiled_loss": TiledLossConfig,
         "activation_checkpoint_offload": ActivationCheckpointOffloadConfig}
 
     sequence_parallel_size: int = 1
@@ -137,6 +150,8 @@ class UlyssesConfig(_Section):
     """Bypass SP in eval mode, for eval loops that feed each rank its own unsharded batch."""
     tiled_mlp: TiledMLPConfig = field(default_factory=TiledMLPConfig)
     """ALST tiled MLP settings."""
+    tiled_attention: TiledAttentionConfig = field(default_factory=TiledAttentionConfig)
+    """Tiled attention settings."""
     model_loss: bool = True
     """``model(**batch).loss`` is the sample's SP loss for a batch with ``shift_labels``; False leaves the loss
     to the caller (logits returned, no loss: DeepSpeed's module's behaviour). Needs ``tiled_loss`` off."""

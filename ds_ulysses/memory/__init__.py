@@ -7,10 +7,11 @@ from .host import trim_host_heap
 from .mlp_tiling import tile_mlps, untile_mlps
 from .offload import OffloadedCheckpoint
 from .sequence_tiled import SequenceTiledCompute, sequence_tiled_compute
+from .tiled_heads import TiledHeads
 from .tiled_loss import TiledFusedLogitsLoss
 from .tiled_mlp import AutogradComputeMLP, TiledMLP
 from .tiles import agree_on_shards, auto_loss_shards, auto_mlp_shards, resolve_loss_shards
 
 __all__ = ["tile_mlps", "untile_mlps", "OffloadedCheckpoint", "SequenceTiledCompute", "sequence_tiled_compute",
-           "TiledFusedLogitsLoss", "TiledMLP", "AutogradComputeMLP", "agree_on_shards", "auto_loss_shards",
+           "TiledFusedLogitsLoss", "TiledHeads", "TiledMLP", "AutogradComputeMLP", "agree_on_shards", "auto_loss_shards",
            "auto_mlp_shards", "resolve_loss_shards", "trim_host_heap"]

@@ -70,7 +70,7 @@ class TileGrads:
             for p, hooks in zip(self.declared, set_aside):
                 _put_back_hooks(p, hooks)
 
-    def backprop(self, out, grad_out, tile=None, into=None, weight=1.0, keep=True):
+    def backprop(self, out, grad_out, tile=None, into=None, weight=1.0, keep=True, accumulate=False):
         """Backpropagates one tile's `out` given `grad_out`, its gradients times `weight`: the parameter
         gradients are added to the sums (when `keep`), and the gradient of the tile input `tile` (when
         it requires grad) is written into `into` (the tile's slice of the input's gradient), every
@@ -78,7 +78,8 @@ class TileGrads:
         uninitialised, and no pass zero-fills it first. `weight` (a float) is applied to the gradients,
         not folded into `grad_out`, so it is not rounded to a bf16 `grad_out`'s precision first
         (213/425 would become 0.5). `out` and `grad_out` may be lists (a tile's several outputs, in one
-        backward)."""
+        backward). `accumulate` adds the tile input's gradient into `into` instead (a tiled Function whose tiles
+        all read the whole input, as head groups do)."""
         if self._handles is None:
             raise RuntimeError(f"{self.who}: TileGrads.backprop runs inside `with grads.hooked():`, or the "
                                "parameter gradients would be dropped")
@@ -86,7 +87,7 @@ class TileGrads:
         pairs = [(o, g) for o, g in (zip(out, grad_out) if isinstance(out, (list, tuple)) else [(out, grad_out)])
                  if o.requires_grad]
         if not pairs:
-            if wants_tile:
+            if wants_tile and not accumulate:
                 into.zero_()
             return
         outs, grads_out = [o for o, _ in pairs], [g for _, g in pairs]
@@ -103,9 +104,13 @@ class TileGrads:
                                       allow_unused=True)
         finally:
             self._weight = None
-        if wants_tile and got[0] is None:
+        if not wants_tile or (got[0] is None and accumulate):
+            return
+        if got[0] is None:
             into.zero_()
-        elif wants_tile:
+        elif accumulate:
+            into.add_(got[0], alpha=weight)
+        else:
             into.copy_(got[0])
             if weight != 1:
                 into.mul_(weight)

@@ -1,7 +1,7 @@
 """The architecture sweep's fast subset: representative models are exact under SP or refused by name.
 
 One SP step at sp 2 on 2 gloo ranks vs the unsharded model, through the drop-in API and (tiled loss,
-ZeRO-3; a few with tiled MLPs, checkpoint offload or both with the loss in tiles) through
+ZeRO-3; a few with tiled MLPs, checkpoint offload or both with the loss in tiles, or tiled attention) through
 ``ds_ulysses.initialize``, MoE router losses among them (tiled MoE blocks too, on 2 padded rows), and Llama
 in other layouts (sp 4, a padded length, 2 rows, with Mixtral's router loss too; dp 2 x sp 2 for 3 steps;
 2 micro-batches per step, Mixtral among it; bf16 at ZeRO-1 and fp16 at ZeRO-2, and Gemma 3 in bf16 at
@@ -51,14 +51,18 @@ ENGINE = ["llama@tiled", "cohere@tiled", "granite@tiled", "gemma3_text@tiled",
           "longcat_flash@mlp",    # tiled MLPs, the tiled block the leaf
           "opt@mlp",              # no module named mlp: tiled_mlp refused, not silently off
           "llama@offload",        # checkpointed layers with their inputs on the host
-          "gemma3_text@all-tools"]  # loss tiles, tiled MLPs and offload at once; a tied, soft-capped head
+          "gemma3_text@all-tools",  # loss tiles, tiled MLPs and offload at once; a tied, soft-capped head
+          "llama@attention",        # tiled attention under ZeRO-3: the projections gathered once per pass
+          "gemma3_text@attention",  # per-head q/k norms, sliding layers
+          "olmo2@attention"]        # a q/k norm over all heads' features: tiled_attention refused
 # the cause a refusal must name
 REFUSED_FOR = {"opt@mlp": "tiled_mlp is enabled but OPTForCausalLM's decoder has no module named 'mlp'",
+               "olmo2@attention": "its q_norm normalises every head's features together",
                "ctrl": "none of the decoder's own modules (a position or rotary embedding) took that tensor",
                "llama4_text+temperature": "by each token's position (attn_temperature_tuning, floor_scale=4)"}
 # served, never refused
 EXACT = {"llama", "mixtral", "mixtral+aux", "gpt_bigcode", "llama4_text+full", "llama@tiled", "qwen2_moe+aux@tiled",
-         "mixtral+aux@mlp"}
+         "mixtral+aux@mlp", "llama@attention", "gemma3_text@attention"}
 
 
 def _names(params) -> list[str]:

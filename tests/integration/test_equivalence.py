@@ -46,6 +46,13 @@ CASES = {
                                          length=39, docs=[7, 13, 19])),
     "flash-standin-left-padded-sp2": (2, dict(family="llama", heads=4, kv_heads=2, attn="flash_attention_2",
                                               length=30, left_pad=(11,))),
+    # tiled attention: each block a group of heads at a time, each group's all-to-alls and core of its own; GQA
+    # groups whose one KV head is replicated over both ranks, packed documents, per-head q/k norms, flash's path
+    "tiled-attention-sp2": (2, dict(family="llama", heads=4, kv_heads=2, length=32, tiled_attention="auto")),
+    "tiled-attention-packed-sp4": (4, dict(family="qwen3", heads=8, kv_heads=4, length=40, docs=[9, 31],
+                                           tiled_attention=2)),
+    "tiled-attention-flash-standin-sp2": (2, dict(family="llama", heads=4, kv_heads=2, attn="flash_attention_2",
+                                                  length=30, left_pad=(7,), tiled_attention="auto")),
     # GPT-OSS's attention sinks, one per query head, 6 heads on 4 ranks (2, 2, 1, 1): each rank's core gets its
     # heads' sinks (the unsharded model runs eager: it supports no sdpa)
     "flash-standin-sinks-sp4": (4, dict(family="gpt_oss", heads=6, kv_heads=2, attn="flash_attention_2",
@@ -87,6 +94,8 @@ def test_sp_matches_unsharded(name, outcomes):
         assert result["steps"] == world
         assert result["loss"] <= 1e-5, result
         assert result["grad"][0] <= 1e-4, result
+        if "tiled_attention" in CASES[name][1]:  # every layer's block ran tiled, in groups
+            assert result["tiled_calls"] and all(groups > 1 for groups in result["tiled_calls"]), result
 
 
 @pytest.mark.parametrize("name", sorted(EVAL_CASES))

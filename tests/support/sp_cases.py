@@ -9,7 +9,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ds_ulysses import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
-from ds_ulysses import enable_sp_loss
+from ds_ulysses import enable_sp_loss, tile_attention
+from ds_ulysses.memory import TiledHeads
 
 from tests.support.models import VOCAB, rel_err, tiny_config, tiny_model
 
@@ -120,7 +121,8 @@ def _build(case: dict, world_size: int):
 
 def sp_vs_reference(rank: int, world_size: int, case: dict) -> dict:
     """Train one step per SP micro-batch; compare loss and SP-summed grads to the unsharded model
-    (``case["compile"]``: the SP model run through ``torch.compile`` with that backend)."""
+    (``case["compile"]``: the SP model run through ``torch.compile`` with that backend;
+    ``case["tiled_attention"]``: its attention blocks tiled over that many head groups, or "auto")."""
     base, samples, bs = _build(case, world_size)
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
     core = case.get("attn", "sdpa")
@@ -129,6 +131,16 @@ def sp_vs_reference(rank: int, world_size: int, case: dict) -> dict:
         ALL_ATTENTION_FUNCTIONS[core] = flash_standin
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, core, world_size, bs, scope="model")
     enable_sp_loss(model, mpu.get_sequence_parallel_group())
+    tiled_calls = []
+    if "tiled_attention" in case:  # each attention block a group of heads at a time; its calls counted
+        tile_attention(model, world_size, case["tiled_attention"])
+        forward = TiledHeads.forward
+
+        def counted(ctx, fn, module, x, groups, *params):
+            tiled_calls.append(groups)
+            return forward(ctx, fn, module, x, groups, *params)
+
+        TiledHeads.forward = staticmethod(counted)
     loader = UlyssesSPDataLoaderAdapter([samples[rank]], mpu.get_sequence_parallel_rank(),
                                         mpu.get_sequence_parallel_group(), world_size, "cpu")
     run = torch.compile(model, backend=case["compile"]) if "compile" in case else model
@@ -146,7 +158,9 @@ def sp_vs_reference(rank: int, world_size: int, case: dict) -> dict:
             dist.all_reduce(g, group=mpu.get_sequence_parallel_group())
             grad_errs.append((rel_err(g, q.grad, floor), name))
         model.zero_grad()
-    return {"loss": max(loss_errs), "grad": max(grad_errs), "steps": len(loss_errs)}
+    if "tiled_attention" in case:
+        TiledHeads.forward = staticmethod(forward)
+    return {"loss": max(loss_errs), "grad": max(grad_errs), "steps": len(loss_errs), "tiled_calls": tiled_calls}
 
 
 def sp_eval_vs_reference(rank: int, world_size: int, case: dict) -> dict:

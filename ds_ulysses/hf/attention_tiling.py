@@ -1,0 +1,214 @@
+"""Tiled attention: every decoder attention block computed a group of heads at a time
+(:class:`~ds_ulysses.memory.tiled_heads.TiledHeads`), without editing model code.
+
+A group's share of the block is the block's own ``forward`` run with its four projections narrowed to the
+group: q_proj, k_proj and v_proj to the group's rows (its heads' features, whole KV groups), o_proj to the
+same columns; the bias of o_proj joins group 0's share only. Everything between (RoPE, per-head q/k norms,
+the SP all-to-alls, the core attention) is the model's and SP's own code on fewer heads. So the split is
+exact wherever the block is a sum over heads, and a block that is not is refused by name at setup: one
+projection for q, k and v together, a q_proj that also yields a gate, a norm over all heads' features, a
+parameter of the block outside its projections (attention sinks), dropout on the attention probabilities
+(backward's recompute would draw other masks), projections that are not plain ``nn.Linear`` (LoRA adapters,
+quantized layers).
+
+Dimensions: hc query heads, hc_kv KV heads, hs head size, G groups, P the SP degree.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..memory.tiled_heads import TiledHeads
+from ..patching import PATCHES
+from .model_facts import text_config
+from .servable import decoder_of
+
+__all__ = ["tile_attention", "untile_attention", "plan_attention_tiling", "apply_attention_tiling", "attention_blocks",
+           "plan_attention_groups"]
+
+_TAG = "tiled_attention"
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_HEAD_NORMS = ("q_norm", "k_norm")  # per-head norms over hs features: shared by every head, so by every group
+_FIX = "fix: set \"tiled_attention\": {\"enabled\": false}"
+
+
+def attention_blocks(model) -> list[tuple[str, nn.Module]]:
+    """The text decoder's attention blocks, as ``(name, module)``: modules whose class name ends in
+    ``Attention`` (Transformers' convention), outermost only."""
+    found = []
+    for name, module in decoder_of(model).named_modules():
+        if type(module).__name__.endswith("Attention") and not any(name.startswith(f"{n}.") for n, _ in found):
+            found.append((name, module))
+    return found
+
+
+def plan_attention_groups(num_heads: int, num_kv_heads: int, sp: int, shards="auto") -> int:
+    """How many head groups: ``shards`` checked, or with "auto" the most groups whose query heads still
+    split evenly over the ``sp`` ranks (every group holds whole KV groups: G divides hc_kv). More groups hold
+    fewer heads' full-sequence tensors at once; each costs two all-to-alls of its own."""
+    valid = [g for g in range(1, num_kv_heads + 1) if num_kv_heads % g == 0 and num_heads // g >= sp]
+    if shards == "auto":
+        even = [g for g in valid if (num_heads // g) % sp == 0]
+        return max(even or valid)
+    if shards not in valid:
+        raise ValueError(
+            f"tiled_attention shards={shards!r} cannot split {num_heads} query / {num_kv_heads} KV heads at sp {sp}: "
+            f"each group must hold whole KV groups (the count divides {num_kv_heads}) and at least one query head "
+            f"per SP rank ({num_heads} / count >= {sp}); expected one of {valid}; fix: set \"shards\" to one of "
+            f"them, or \"auto\"")
+    return shards
+
+
+def _block_layout(name: str, module: nn.Module, config) -> tuple[int, int, int]:
+    """``(hc, hc_kv, hs)`` of a block that splits by heads exactly; otherwise the refusal naming why."""
+    who = f"tiled_attention cannot split {name} ({type(module).__name__}) by heads"
+    missing = [p for p in _PROJECTIONS if not isinstance(getattr(module, p, None), nn.Module)]
+    if missing:
+        children = ", ".join(n for n, _ in module.named_children()) or "none"
+        raise ValueError(f"{who}: it has no {', '.join(missing)} (its parts: {children}), so q, k and v do not come "
+                         f"from one projection each; expected q_proj, k_proj, v_proj and o_proj; {_FIX}")
+    for p in _PROJECTIONS:
+        if type(getattr(module, p)) is not nn.Linear:
+            raise ValueError(f"{who}: its {p} is a {type(getattr(module, p)).__name__}, not a plain nn.Linear "
+                             f"(LoRA adapters and quantized layers cannot be narrowed to a group's rows); {_FIX}, or "
+                             "leave the attention projections out of the adapter's target modules")
+    hs = getattr(module, "head_dim", None) or getattr(config, "head_dim", None) \
+        or config.hidden_size // config.num_attention_heads
+    hc = config.num_attention_heads
+    hc_kv = getattr(config, "num_key_value_heads", None) or hc
+    expect = {"q_proj": ("out_features", hc * hs), "k_proj": ("out_features", hc_kv * hs),
+              "v_proj": ("out_features", hc_kv * hs), "o_proj": ("in_features", hc * hs)}
+    for p, (side, want) in expect.items():
+        got = getattr(getattr(module, p), side)
+        if got != want:
+            extra = " (a per-head output gate rides in q_proj)" if p == "q_proj" and got == 2 * want else ""
+            raise ValueError(f"{who}: {p}.{side} is {got}, expected {want} for {hc} query / {hc_kv} KV heads of "
+                             f"{hs}{extra}; {_FIX}")
+    for pname, param in module.named_parameters():
+        owner = pname.split(".")[0]
+        if owner in _PROJECTIONS:
+            continue
+        if owner in _HEAD_NORMS and param.numel() == hs:
+            continue
+        if owner in _HEAD_NORMS:
+            raise ValueError(f"{who}: its {owner} normalises every head's features together ({pname} has "
+                             f"{param.numel()} entries, a head {hs}), so a group's share would normalise over its "
+                             f"own heads only; {_FIX}")
+        what = "attention sinks, one logit per head" if "sink" in pname else f"a parameter of shape {list(param.shape)}"
+        raise ValueError(f"{who}: it holds {pname} ({what}) outside its q/k/v/o projections, which a group's "
+                         f"share would not narrow; {_FIX}")
+    dropout = float(getattr(module, "attention_dropout", 0.0) or 0.0)
+    if dropout > 0:
+        raise ValueError(f"{who}: attention_dropout={dropout} draws its masks again when backward recomputes each "
+                         f"group, so the gradients would not be the forward's; expected attention_dropout=0.0 "
+                         f"(what long-context fine-tuning uses); set config.attention_dropout = 0.0, or {_FIX}")
+    return hc, hc_kv, hs
+
+
+def tile_attention(model, sp: int = 1, shards="auto") -> int:
+    """Compute every decoder attention block of ``model`` a group of heads at a time (``sp``: the SP degree
+    the groups must split over). Refuses, before changing anything, a block that cannot be split exactly (see
+    the module docstring) and a ``shards`` no block can use. Idempotent; returns how many blocks are tiled.
+    Undone by :func:`untile_attention` or ``ds_ulysses.uninstall``."""
+    return apply_attention_tiling(plan_attention_tiling(model, sp, shards))
+
+
+def plan_attention_tiling(model, sp: int = 1, shards="auto") -> list[tuple]:
+    """What :func:`tile_attention` will do, checked, with nothing changed yet: per block ``(module, groups,
+    query heads per KV head, hs)``."""
+    config = text_config(model)
+    blocks = attention_blocks(model)
+    if not blocks:
+        raise ValueError(f"tiled_attention is enabled but {type(model).__name__}'s decoder has no attention block "
+                         f"(no module class named *Attention) to tile; {_FIX}")
+    plans = []
+    for name, module in blocks:
+        hc, hc_kv, hs = _block_layout(name, module, config)
+        plans.append((module, plan_attention_groups(hc, hc_kv, sp, shards), hc // hc_kv, hs))
+    return plans
+
+
+def apply_attention_tiling(plans: list[tuple]) -> int:
+    """Tile the blocks :func:`plan_attention_tiling` planned; returns how many."""
+    for module, groups, ratio, hs in plans:
+        if not PATCHES.has(_TAG, owner=module):
+            PATCHES.set_attr(module, "forward", functools.partial(_tiled_forward, module, module.forward), _TAG,
+                             module)
+        PATCHES.set_attr(module, "_ds_ulysses_head_groups", (groups, ratio, hs), _TAG, module)
+    return len(plans)
+
+
+def untile_attention(model) -> int:
+    """Undo :func:`tile_attention`. Idempotent; returns how many blocks were restored."""
+    return sum(1 for module in model.modules() if PATCHES.undo(_TAG, owner=module))
+
+
+def _tiled_forward(module, forward, *args, **kwargs):
+    """The block's forward over head groups when autograd records it (training); whole otherwise (evaluation,
+    generation). A KV cache the model made while training (``use_cache`` defaults to true) gets no entry from a
+    tiled block: a group's keys appended to it would be read back by the next group as more sequence."""
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    for name in ("cache", "past_key_values"):
+        if kwargs.get(name) is not None:
+            kwargs[name] = None
+    if "hidden_states" in kwargs:
+        x = kwargs.pop("hidden_states")
+    else:
+        x, args = args[0], args[1:]
+    groups, ratio, hs = module._ds_ulysses_head_groups
+
+    def share(mod, x_in, g):  # group g's heads through the block: [bs sl_l h]
+        with _Narrowing(mod, g, groups, ratio, hs):
+            return forward(x_in, *args, **kwargs)[0]
+
+    params = [getattr(module, p).weight for p in _PROJECTIONS] + \
+        [p for p in (getattr(module, p).bias for p in _PROJECTIONS) if p is not None] + \
+        [p for n in _HEAD_NORMS if isinstance(getattr(module, n, None), nn.Module)
+         for p in getattr(module, n).parameters()]
+    return TiledHeads.apply(share, module, x, groups, params), None
+
+
+class _Narrowed(nn.Module):
+    """A linear layer seen through a slice of its weight: ``rows`` of its output (q/k/v) or ``cols`` of its
+    input (o_proj, whose bias only group 0 adds)."""
+
+    def __init__(self, linear: nn.Linear, rows: slice | None = None, cols: slice | None = None,
+                 bias: bool = True):
+        super().__init__()
+        object.__setattr__(self, "linear", linear)  # not a submodule: the block keeps owning it
+        self.rows, self.cols, self.with_bias = rows, cols, bias
+
+    def forward(self, x):
+        weight, bias = self.linear.weight, self.linear.bias if self.with_bias else None
+        if self.rows is not None:
+            weight, bias = weight[self.rows], None if bias is None else bias[self.rows]
+        if self.cols is not None:
+            weight = weight[:, self.cols]
+        return F.linear(x, weight, bias)
+
+
+class _Narrowing:
+    """Within the block: the four projections narrowed to group ``g`` of ``groups``."""
+
+    def __init__(self, module, g: int, groups: int, ratio: int, hs: int):
+        self.module = module
+        kv = module.k_proj.out_features // hs // groups  # KV heads per group
+        q_rows = slice(g * kv * ratio * hs, (g + 1) * kv * ratio * hs)
+        kv_rows = slice(g * kv * hs, (g + 1) * kv * hs)
+        self.views = {"q_proj": _Narrowed(module.q_proj, rows=q_rows), "k_proj": _Narrowed(module.k_proj, rows=kv_rows),
+                      "v_proj": _Narrowed(module.v_proj, rows=kv_rows),
+                      "o_proj": _Narrowed(module.o_proj, cols=q_rows, bias=g == 0)}
+
+    def __enter__(self):
+        self.saved = {name: self.module._modules[name] for name in self.views}
+        self.module._modules.update(self.views)
+        return self
+
+    def __exit__(self, *exc):
+        self.module._modules.update(self.saved)
+        return False
