@@ -21,6 +21,7 @@ import json
 import re
 import statistics
 import sys
+import textwrap
 from pathlib import Path
 
 __all__ = ["ROOT", "PAGES", "BLOCKS", "render", "stale_pages", "main"]
@@ -73,18 +74,26 @@ def config_table() -> str:
     return "\n".join(rows)
 
 
+def _first_sentence(text: str) -> str:
+    """A description's first sentence: what the field is, the rest staying in docs/config.md."""
+    head = re.split(r"(?<!e\.g)(?<!i\.e)(?<=[a-z0-9)])\. ", text, maxsplit=1)[0]
+    return head.rstrip(".") + "."
+
+
 def config_jsonc() -> str:
-    """The section with every default, one line per field, its accepted values as the comment."""
+    """The section with every default, each field under its description's first sentence, what it accepts
+    beside it."""
     lines = ["```jsonc", '"ulysses": {']
     props = _schema()["properties"]
     for i, (name, field) in enumerate(props.items()):
         comma = "," if i < len(props) - 1 else ""
-        value = json.dumps(field.get("default"))
-        comment = _allowed(field).replace("\\|", "|").replace("`", "") if "properties" not in field else ""
         if "properties" in field:
-            comment = "; ".join(f"{k}: {_allowed(v).replace(chr(92) + '|', '|').replace('`', '')}"
-                                for k, v in field["properties"].items())
-        lines.append(f"  {json.dumps(name)}: {value}{comma}".ljust(62) + f"// {comment}")
+            accepts = "; ".join(f"{k}: {_allowed(v)}" for k, v in field["properties"].items())
+        else:
+            accepts = _allowed(field)
+        accepts = accepts.replace("\\|", "|").replace("`", "")
+        lines += [f"  // {line}" for line in textwrap.wrap(_first_sentence(field["description"]), 104, break_on_hyphens=False)]
+        lines.append(f"  {json.dumps(name)}: {json.dumps(field.get('default'))}{comma}".ljust(56) + f"// {accepts}")
     lines += ["}", "```"]
     return "\n".join(lines)
 
