@@ -171,12 +171,112 @@ def planner_table() -> str:
     return "\n".join(rows)
 
 
+def _rows(kind: str, arm: str, lengths=None, sp: int | None = None) -> list[dict]:
+    """`arm`'s ratio rows of a loop at the default model and setting, optionally at given lengths and sp."""
+    from benchmarks.report import ratio_rows
+
+    return [r for r in ratio_rows(_cpu_ok(), kind) if r["name"] == arm and not r["model"] and not r["packed"]
+            and (lengths is None or r["S"] in lengths) and (sp is None or r["sp"] == sp)]
+
+
+def _verdicts(rows: list[dict], key: str) -> str:
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r[key]] = counts.get(r[key], 0) + 1
+    if len(counts) == 1:
+        return f"{next(iter(counts))} in all {len(rows)}"
+    return ", ".join(f"{v} in {n}" for v, n in counts.items())
+
+
+def _at(kind: str, arm: str, lengths, sp: int = 2) -> tuple[str, str, str, str]:
+    """Time and memory ratios of `arm` at `lengths` (joined by ' / '), with their verdicts."""
+    rows = sorted(_rows(kind, arm, lengths, sp), key=lambda r: r["S"])
+    return (" / ".join(f"{r['time_ratio']:.2f}" for r in rows), " / ".join(f"{r['mem_ratio']:.3f}" for r in rows),
+            " / ".join(r["time_verdict"] for r in rows), " / ".join(r["mem_verdict"] for r in rows))
+
+
+def _span(values: list[float], digits: int) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.{digits}f}" if f"{lo:.{digits}f}" == f"{hi:.{digits}f}" else f"{lo:.{digits}f}-{hi:.{digits}f}"
+
+
+def glance_rows() -> list[tuple[str, str, str, str, str]]:
+    """(what, against, time, memory, anchor) of the headline figures, each from the records behind its table:
+    a ratio is ours / DeepSpeed's (below 1: ours is faster or leaner), its verdict against that
+    configuration's noise in brackets."""
+    from benchmarks.maxseq import latest_searches
+    from benchmarks.tiled import _ratio
+
+    out = []
+    t, m, tv, mv = _at("step", "ours", (16384, 32768))
+    out.append(("our defaults (the product), 16K / 32K", "DeepSpeed's tutorial recipe", f"{t} ({tv})", f"{m} ({mv})",
+                "the-engine-loop"))
+    latest = {key[-1]: rec for key, rec in latest_searches([r for r in _cpu_ok() if r.get("kind") == "maxseq"]).items()
+              if rec["sp"] == 2}
+    ours, ds, alst = latest["ours"]["max_seq"], latest["deepspeed"]["max_seq"], latest["deepspeed-alst"]["max_seq"]
+    budget = latest["ours"]["budget"] / GIB
+    out.append((f"longest S that trains in {budget:g} GiB per rank", f"the tutorial recipe ({_k(ds)}) / every ALST tool "
+                f"({_k(alst)})", "", f"{_k(ours)}: {ours / ds:.2f}x / {ours / alst:.2f}x",
+                "the-longest-sequence-in-a-memory-budget"))
+    mech = _rows("step", "ours-dropin")
+    out.append(("our drop-in API under DeepSpeed's tutorial code (the mechanism), every length and sp",
+                "DeepSpeed's module", f"{_span([r['time_ratio'] for r in mech], 2)} ({_verdicts(mech, 'time_verdict')})",
+                f"{_span([r['mem_ratio'] for r in mech], 3)} ({_verdicts(mech, 'mem_verdict')})", "the-engine-loop"))
+    for kind, what, arms, anchor in (
+            ("trainer", "through Transformers' Trainer, 16K: product / mechanism", ("ours", "ours[mechanism]"),
+             "through-transformers-trainer"),
+            ("accelerate", "in a plain Accelerate loop, 16K: product / drop-in", ("ours", "ours-dropin"),
+             "in-a-plain-accelerate-loop"),
+            ("trl", "through TRL's SFTTrainer, 16K: ours / drop-in", ("ours", "ours-dropin"), "through-trls-sfttrainer")):
+        cells = [_at(kind, arm, (16384,)) for arm in arms]
+        out.append((what, "its DeepSpeed `parallelism_config` path",
+                    " / ".join(c[0] for c in cells) + " (" + " / ".join(c[2] for c in cells) + ")",
+                    " / ".join(c[1] for c in cells) + " (" + " / ".join(c[3] for c in cells) + ")", anchor))
+    groups: dict[tuple, list[dict]] = {}
+    for rec in _cpu_ok():
+        if rec.get("kind") == "tiled" and rec.get("result"):
+            groups.setdefault((rec["op"], rec["seq_len"]), []).append(rec["result"])
+    times = [statistics.median(_ratio(res, "ours", "s") for res in g) for g in groups.values()]
+    peaks = [statistics.median(_ratio(res, "ours", "peak") for res in g) for g in groups.values()]
+    out.append(("`TiledMLP`, `sequence_tiled_compute`, `TiledFusedLogitsLoss` at equal shards", "DeepSpeed's",
+                _span(times, 2), _span(peaks, 3), "tiledmlp-sequence_tiled_compute-and-the-fused-loss"))
+    return out
+
+
+def glance_table(prefix: str, gpu_page: str) -> str:
+    """The headline table: :func:`glance_rows` linked to their tables on ``prefix`` (the benchmarks page), and the
+    GPU row from :func:`gpu_ratios` linked to ``gpu_page``."""
+    rows = ["| what | against | time | peak memory |", "|---|---|---|---|"]
+    for what, against, time, memory, anchor in glance_rows():
+        rows.append(f"| [{what}]({prefix}#{anchor}) | {against} | {time} | {memory} |")
+    gpu = gpu_ratios()
+    rows.append(f"| [one H200, Llama-3.2-1B shape, 64K, bf16: ours with every tool]({gpu_page}"
+                f"#ours-against-deepspeeds-alst-recipe) | DeepSpeed with every ALST tool | {gpu[0]:.2f} (last step, "
+                f"one trial per arm: no verdict) | {gpu[1]:.2f} ({gpu[2]:.2f} / {gpu[3]:.2f} GiB) |")
+    return "\n".join(rows)
+
+
+def _gpu_latest() -> list[dict]:
+    records = [r for r in _records("gpu.jsonl") if r.get("ok") and r.get("steps")]
+    last = max(r["date"][:10] for r in records)
+    return [r for r in records if r["date"][:10] == last]
+
+
+def gpu_ratios() -> tuple[float, float, float, float]:
+    """Ours / DeepSpeed's medians over the latest GPU session: last step's seconds, peak GiB (and both peaks)."""
+    latest = _gpu_latest()
+
+    def median(arm, of):
+        return statistics.median(of(r) for r in latest if r["impl"] == arm)
+    last, peak = (lambda r: sum(r["steps"][-1])), (lambda r: r["peak_gib"])
+    ours, ds = median("ours", peak), median("deepspeed", peak)
+    return median("ours", last) / median("deepspeed", last), ours / ds, ours, ds
+
+
 def gpu_table() -> str:
     """The latest GPU session's trials (records of the last day in ``gpu.jsonl``), in the order they ran:
     seconds of each step (forward + backward + optimizer) and the peak CUDA memory."""
-    records = [r for r in _records("gpu.jsonl") if r.get("ok") and r.get("steps")]
-    last = max(r["date"][:10] for r in records)
-    latest = [r for r in records if r["date"][:10] == last]
+    latest = _gpu_latest()
     width = max(len(r["steps"]) for r in latest)
     rows = ["| arm | S | " + " | ".join(f"step {i + 1} s" for i in range(width)) + " | peak GiB |",
             "|---|---|" + "---|" * width + "---|"]
@@ -191,6 +291,8 @@ def gpu_table() -> str:
 
 
 BLOCKS = {
+    "readme-glance": lambda: glance_table("docs/benchmarks.md", "docs/gpu.md"),
+    "bench-glance": lambda: glance_table("", "gpu.md"),
     "config-jsonc": config_jsonc,
     "config-table": config_table,
     "bench-step": lambda: ratio_table("step"),
