@@ -31,7 +31,6 @@ PAGES = ("README.md", "docs/config.md", "docs/benchmarks.md", "docs/gpu.md", "do
 BLOCK = re.compile(r"(<!-- generated: (?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- end generated: (?P=name) -->)",
                    re.DOTALL)
 RESULTS = ROOT / "benchmarks" / "results"
-GIB = 1024 ** 3
 
 
 def _schema() -> dict:
@@ -92,7 +91,8 @@ def config_jsonc() -> str:
         else:
             accepts = _allowed(field)
         accepts = accepts.replace("\\|", "|").replace("`", "")
-        lines += [f"  // {line}" for line in textwrap.wrap(_first_sentence(field["description"]), 104, break_on_hyphens=False)]
+        summary = textwrap.wrap(_first_sentence(field["description"]), 104, break_on_hyphens=False)
+        lines += [f"  // {line}" for line in summary]
         lines.append(f"  {json.dumps(name)}: {json.dumps(field.get('default'))}{comma}".ljust(56) + f"// {accepts}")
     lines += ["}", "```"]
     return "\n".join(lines)
@@ -121,6 +121,7 @@ def ratio_table(kind: str) -> str:
     the verdict :mod:`benchmarks.report` draws from them. The noise arm itself is its own column."""
     from benchmarks.bench import NOISE_ARM
     from benchmarks.report import ratio_rows, spread
+    from ds_ulysses.constants import GIB
 
     rows = ["| arm | S | sp | DeepSpeed s/step | arm s/step | time ratio [min-max] | noise | vs DeepSpeed "
             "| DeepSpeed GiB | arm GiB | memory ratio [min-max] | noise | vs DeepSpeed | reps |",
@@ -206,6 +207,7 @@ def glance_rows() -> list[tuple[str, str, str, str, str]]:
     configuration's noise in brackets."""
     from benchmarks.maxseq import latest_searches
     from benchmarks.tiled import _ratio
+    from ds_ulysses.constants import GIB
 
     out = []
     t, m, tv, mv = _at("step", "ours", (16384, 32768))
@@ -215,19 +217,21 @@ def glance_rows() -> list[tuple[str, str, str, str, str]]:
               if rec["sp"] == 2}
     ours, ds, alst = latest["ours"]["max_seq"], latest["deepspeed"]["max_seq"], latest["deepspeed-alst"]["max_seq"]
     budget = latest["ours"]["budget"] / GIB
-    out.append((f"longest S that trains in {budget:g} GiB per rank", f"the tutorial recipe ({_k(ds)}) / every ALST tool "
-                f"({_k(alst)})", "", f"{_k(ours)}: {ours / ds:.2f}x / {ours / alst:.2f}x",
-                "the-longest-sequence-in-a-memory-budget"))
+    out.append((f"longest S that trains in {budget:g} GiB per rank",
+                f"the tutorial recipe ({_k(ds)}) / every ALST tool ({_k(alst)})", "",
+                f"{_k(ours)}: {ours / ds:.2f}x / {ours / alst:.2f}x", "the-longest-sequence-in-a-memory-budget"))
     mech = _rows("step", "ours-dropin")
     out.append(("our drop-in API under DeepSpeed's tutorial code (the mechanism), every length and sp",
-                "DeepSpeed's module", f"{_span([r['time_ratio'] for r in mech], 2)} ({_verdicts(mech, 'time_verdict')})",
+                "DeepSpeed's module",
+                f"{_span([r['time_ratio'] for r in mech], 2)} ({_verdicts(mech, 'time_verdict')})",
                 f"{_span([r['mem_ratio'] for r in mech], 3)} ({_verdicts(mech, 'mem_verdict')})", "the-engine-loop"))
     for kind, what, arms, anchor in (
             ("trainer", "through Transformers' Trainer, 16K: product / mechanism", ("ours", "ours[mechanism]"),
              "through-transformers-trainer"),
             ("accelerate", "in a plain Accelerate loop, 16K: product / drop-in", ("ours", "ours-dropin"),
              "in-a-plain-accelerate-loop"),
-            ("trl", "through TRL's SFTTrainer, 16K: ours / drop-in", ("ours", "ours-dropin"), "through-trls-sfttrainer")):
+            ("trl", "through TRL's SFTTrainer, 16K: ours / drop-in", ("ours", "ours-dropin"),
+             "through-trls-sfttrainer")):
         cells = [_at(kind, arm, (16384,)) for arm in arms]
         out.append((what, "its DeepSpeed `parallelism_config` path",
                     " / ".join(c[0] for c in cells) + " (" + " / ".join(c[2] for c in cells) + ")",
@@ -286,7 +290,8 @@ def gpu_table() -> str:
     steady = {arm: statistics.median(sum(r["steps"][-1]) for r in latest if r["impl"] == arm)
               for arm in dict.fromkeys(r["impl"] for r in latest)}
     rows.append("")
-    rows.append("Last step, median over the trials: " + ", ".join(f"{arm} {s:.2f} s" for arm, s in steady.items()) + ".")
+    medians = ", ".join(f"{arm} {s:.2f} s" for arm, s in steady.items())
+    rows.append(f"Last step, median over the trials: {medians}.")
     return "\n".join(rows)
 
 
