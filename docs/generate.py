@@ -17,6 +17,7 @@ linked from here: a PNG does not compare byte for byte across matplotlib version
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import statistics
@@ -53,7 +54,7 @@ def _allowed(field: dict) -> str:
         return " or ".join(f"`{json.dumps(a['const'])}`" if "const" in a else _allowed(a) for a in field["anyOf"])
     kinds = field["type"] if isinstance(field["type"], list) else [field["type"]]
     text = " or ".join(kinds)
-    if field.get("type") == "array" or "array" in kinds:
+    if "array" in kinds:
         text = f"[{field['items']['type']}] x {field['minItems']}" + (" or null" if "null" in kinds else "")
     bounds = []
     if "minimum" in field:
@@ -98,7 +99,9 @@ def config_jsonc() -> str:
     return "\n".join(lines)
 
 
+@functools.cache
 def _records(name: str) -> list[dict]:
+    """The records of one results file, read once per run (the CPU file is a few MB and every table reads it)."""
     path = RESULTS / name
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
