@@ -113,5 +113,7 @@ def test_the_readme_quick_start_runs_on_two_cpu_ranks_and_trains_the_unsharded_l
     sample = namespace["dataset"][0]
     with torch.no_grad():
         ref = namespace["model"](input_ids=sample["input_ids"][None], labels=sample["labels"][None]).loss.item()
-    assert abs(losses[0][0] - ref) <= 1e-4 * abs(ref), f"first loss {losses[0][0]} vs unsharded {ref}"
+    # printed to 5 decimals (5e-6) on top of SP's fp32 exactness (1e-5 relative, 6e-5 here); the other
+    # samples' losses lie 1e-3 and more away
+    assert abs(losses[0][0] - ref) <= 1e-4, f"first loss {losses[0][0]} vs unsharded {ref}"
     assert len(losses[0]) == len(namespace["dataset"]), f"expected one step per sample, got {losses[0]}"
