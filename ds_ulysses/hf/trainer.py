@@ -123,7 +123,7 @@ def reconcile(accelerator) -> None:
     ``model(**batch).logits`` and the batch's ``shift_labels`` (Accelerate's ALST example, DeepSpeed's
     tutorial), so the model returns what DeepSpeed's module makes it return, logits and no loss, and
     computes nothing that code does not use; and the engine's step is DeepSpeed's, without the heap trim
-    that trades a step's page refaults for memory (README, "In a plain Accelerate loop"). The Trainer,
+    that trades a step's page refaults for memory (docs/config.md, trim_host_heap). The Trainer,
     which takes the model's loss, gets all three back when it trains (:func:`serve_the_trainer_s_loss`)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:

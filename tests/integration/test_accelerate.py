@@ -34,7 +34,7 @@ def test_deepspeed_s_accelerate_loop_runs_unchanged_after_install_and_trains_lik
     returns there what DeepSpeed's makes it return, logits and no loss (``model_loss`` off); with the section's
     defaults it returned no logits, and the loop raised in Transformers' loss (``'NoneType' object has no
     attribute 'float'``). Its engine steps as DeepSpeed's, without the heap trim, which made that loop's step
-    1.09x DeepSpeed's at 4K (README, "In a plain Accelerate loop")."""
+    1.09x DeepSpeed's at 4K (docs/CHANGELOG.md, the Accelerate loop's heap trim)."""
     reference = tc.reference(tc.samples(2 * STEPS), STEPS)
     runs = {library: run_distributed(tc.accelerate_run, 2, 3, "parallelism_config", STEPS, False, library, "example",
                                      timeout=600) for library in ("deepspeed", "ours")}

@@ -2,7 +2,7 @@
 
 Two "nodes" of 2 ranks each are simulated on this machine the way nodes without passwordless ssh are
 launched: the same ``deepspeed --hostfile H --no_ssh --node_rank N --master_addr A`` command on every
-node, N = 0 and 1 (real nodes: README, "Multi-node"). SP groups are contiguous ranks, so each SP group
+node, N = 0 and 1 (real nodes: docs/multi-node.md). SP groups are contiguous ranks, so each SP group
 lives inside a node and the DP reduction crosses nodes. Step 1's printed loss (the mean over the two DP
 groups) equals the two samples' losses computed in this process without SP or DeepSpeed, to the 4
 decimals printed: a mesh built across the nodes any other way would train other samples together.
