@@ -94,7 +94,7 @@ def config_jsonc() -> str:
         accepts = accepts.replace("\\|", "|").replace("`", "")
         summary = textwrap.wrap(_first_sentence(field["description"]), 104, break_on_hyphens=False)
         lines += [f"  // {line}" for line in summary]
-        lines.append(f"  {json.dumps(name)}: {json.dumps(field.get('default'))}{comma}".ljust(56) + f"// {accepts}")
+        lines.append(f"  {json.dumps(name)}: {json.dumps(field.get('default'))}{comma}".ljust(56) + f" // {accepts}")
     lines += ["}", "```"]
     return "\n".join(lines)
 
