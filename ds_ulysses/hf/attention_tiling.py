@@ -2,14 +2,15 @@
 (:class:`~ds_ulysses.memory.tiled_heads.TiledHeads`), without editing model code.
 
 A group's share of the block is the block's own ``forward`` run with its four projections narrowed to the
-group: q_proj, k_proj and v_proj to the group's rows (its heads' features, whole KV groups), o_proj to the
-same columns; the bias of o_proj joins group 0's share only. Everything between (RoPE, per-head q/k norms,
-the SP all-to-alls, the core attention) is the model's and SP's own code on fewer heads. So the split is
-exact wherever the block is a sum over heads, and a block that is not is refused by name at setup: one
-projection for q, k and v together, a q_proj that also yields a gate, a norm over all heads' features, a
-parameter of the block outside its projections (attention sinks), dropout on the attention probabilities
-(backward's recompute would draw other masks), projections that are not plain ``nn.Linear`` (LoRA adapters,
-quantized layers).
+group: q_proj, k_proj and v_proj to the group's rows (its heads' features, whole KV groups), the output
+projection (o_proj; Phi's dense, GPT-J's out_proj) to the same columns, its bias in group 0's share only; the
+head counts a forward reads from the block (``num_heads``...) are the group's while it runs. Everything
+between (RoPE, per-head q/k norms, the SP all-to-alls, the core attention) is the model's and SP's own code on
+fewer heads. So the split is exact wherever the block is a sum over heads, and a block that is not is refused
+by name at setup: one projection for q, k and v together, a q_proj that also yields a gate, a norm over all
+heads' features or one norm per head, a parameter of the block outside its projections (attention sinks),
+dropout on the attention probabilities (backward's recompute would draw other masks), projections that are not
+plain ``nn.Linear`` (LoRA adapters, quantized layers).
 
 Dimensions: hc query heads, hc_kv KV heads, hs head size, G groups, P the SP degree.
 """
@@ -31,8 +32,10 @@ __all__ = ["tile_attention", "untile_attention", "plan_attention_tiling", "apply
            "plan_attention_groups"]
 
 _TAG = "tiled_attention"
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_HEAD_NORMS = ("q_norm", "k_norm")  # per-head norms over hs features: shared by every head, so by every group
+_INPUTS = ("q_proj", "k_proj", "v_proj")
+_OUTPUTS = ("o_proj", "dense", "out_proj")  # the output projection's names (Llama's; Phi's; GPT-J's)
+# per-head norms over hs features (Qwen 3's, Gemma 3's; Phi's): one weight shared by every head, so by every group
+_HEAD_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
 _FIX = "fix: set \"tiled_attention\": {\"enabled\": false}"
 
 
@@ -63,15 +66,21 @@ def plan_attention_groups(num_heads: int, num_kv_heads: int, sp: int, shards="au
     return shards
 
 
-def _block_layout(name: str, module: nn.Module, config) -> tuple[int, int, int]:
-    """``(hc, hc_kv, hs)`` of a block that splits by heads exactly; otherwise the refusal naming why."""
+def _block_layout(name: str, module: nn.Module, config) -> tuple[int, int, int, str]:
+    """``(hc, hc_kv, hs, name of the output projection)`` of a block that splits by heads exactly; otherwise the
+    refusal naming why."""
     who = f"tiled_attention cannot split {name} ({type(module).__name__}) by heads"
-    missing = [p for p in _PROJECTIONS if not isinstance(getattr(module, p, None), nn.Module)]
+    children = ", ".join(n for n, _ in module.named_children()) or "none"
+    missing = [p for p in _INPUTS if not isinstance(getattr(module, p, None), nn.Module)]
     if missing:
-        children = ", ".join(n for n, _ in module.named_children()) or "none"
         raise ValueError(f"{who}: it has no {', '.join(missing)} (its parts: {children}), so q, k and v do not come "
-                         f"from one projection each; expected q_proj, k_proj, v_proj and o_proj; {_FIX}")
-    for p in _PROJECTIONS:
+                         f"from a projection each; expected q_proj, k_proj and v_proj; {_FIX}")
+    out = next((p for p in _OUTPUTS if isinstance(getattr(module, p, None), nn.Module)), None)
+    if out is None:
+        raise ValueError(f"{who}: it has no output projection named {', '.join(_OUTPUTS)} (its parts: {children}); "
+                         f"expected one to narrow to each group's columns; {_FIX}")
+    projections = (*_INPUTS, out)
+    for p in projections:
         if type(getattr(module, p)) is not nn.Linear:
             raise ValueError(f"{who}: its {p} is a {type(getattr(module, p)).__name__}, not a plain nn.Linear "
                              f"(LoRA adapters and quantized layers cannot be narrowed to a group's rows); {_FIX}, or "
@@ -81,7 +90,7 @@ def _block_layout(name: str, module: nn.Module, config) -> tuple[int, int, int]:
     hc = config.num_attention_heads
     hc_kv = getattr(config, "num_key_value_heads", None) or hc
     expect = {"q_proj": ("out_features", hc * hs), "k_proj": ("out_features", hc_kv * hs),
-              "v_proj": ("out_features", hc_kv * hs), "o_proj": ("in_features", hc * hs)}
+              "v_proj": ("out_features", hc_kv * hs), out: ("in_features", hc * hs)}
     for p, (side, want) in expect.items():
         got = getattr(getattr(module, p), side)
         if got != want:
@@ -89,11 +98,14 @@ def _block_layout(name: str, module: nn.Module, config) -> tuple[int, int, int]:
             raise ValueError(f"{who}: {p}.{side} is {got}, expected {want} for {hc} query / {hc_kv} KV heads of "
                              f"{hs}{extra}; {_FIX}")
     for pname, param in module.named_parameters():
-        owner = pname.split(".")[0]
-        if owner in _PROJECTIONS:
+        owner, _, leaf = pname.partition(".")
+        if owner in projections:
             continue
-        if owner in _HEAD_NORMS and param.numel() == hs:
+        if owner in _HEAD_NORMS and leaf in ("weight", "bias") and param.numel() == hs:
             continue
+        if owner in _HEAD_NORMS and leaf not in ("weight", "bias"):
+            raise ValueError(f"{who}: its {owner} keeps a norm per head ({pname}), which this split does not narrow "
+                             f"to a group's heads; {_FIX}")
         if owner in _HEAD_NORMS:
             raise ValueError(f"{who}: its {owner} normalises every head's features together ({pname} has "
                              f"{param.numel()} entries, a head {hs}), so a group's share would normalise over its "
@@ -106,7 +118,7 @@ def _block_layout(name: str, module: nn.Module, config) -> tuple[int, int, int]:
         raise ValueError(f"{who}: attention_dropout={dropout} draws its masks again when backward recomputes each "
                          f"group, so the gradients would not be the forward's; expected attention_dropout=0.0 "
                          f"(what long-context fine-tuning uses); set config.attention_dropout = 0.0, or {_FIX}")
-    return hc, hc_kv, hs
+    return hc, hc_kv, hs, out
 
 
 def tile_attention(model, sp: int = 1, shards="auto") -> int:
@@ -118,8 +130,8 @@ def tile_attention(model, sp: int = 1, shards="auto") -> int:
 
 
 def plan_attention_tiling(model, sp: int = 1, shards="auto") -> list[tuple]:
-    """What :func:`tile_attention` will do, checked, with nothing changed yet: per block ``(module, groups,
-    query heads per KV head, hs)``."""
+    """What :func:`tile_attention` will do, checked, with nothing changed yet: per block ``(module, (groups,
+    query heads per KV head, hs, the output projection's name))``."""
     config = text_config(model)
     blocks = attention_blocks(model)
     if not blocks:
@@ -127,18 +139,18 @@ def plan_attention_tiling(model, sp: int = 1, shards="auto") -> list[tuple]:
                          f"(no module class named *Attention) to tile; {_FIX}")
     plans = []
     for name, module in blocks:
-        hc, hc_kv, hs = _block_layout(name, module, config)
-        plans.append((module, plan_attention_groups(hc, hc_kv, sp, shards), hc // hc_kv, hs))
+        hc, hc_kv, hs, out = _block_layout(name, module, config)
+        plans.append((module, (plan_attention_groups(hc, hc_kv, sp, shards), hc // hc_kv, hs, out)))
     return plans
 
 
 def apply_attention_tiling(plans: list[tuple]) -> int:
     """Tile the blocks :func:`plan_attention_tiling` planned; returns how many."""
-    for module, groups, ratio, hs in plans:
+    for module, layout in plans:
         if not PATCHES.has(_TAG, owner=module):
             PATCHES.set_attr(module, "forward", functools.partial(_tiled_forward, module, module.forward), _TAG,
                              module)
-        PATCHES.set_attr(module, "_ds_ulysses_head_groups", (groups, ratio, hs), _TAG, module)
+        PATCHES.set_attr(module, "_ds_ulysses_head_groups", layout, _TAG, module)
     return len(plans)
 
 
@@ -160,14 +172,21 @@ def _tiled_forward(module, forward, *args, **kwargs):
         x = kwargs.pop("hidden_states")
     else:
         x, args = args[0], args[1:]
-    groups, ratio, hs = module._ds_ulysses_head_groups
+    groups, ratio, hs, out = module._ds_ulysses_head_groups
+    projections = (*_INPUTS, out)
 
     def share(mod, x_in, g):  # group g's heads through the block: [bs sl_l h]
-        with _Narrowing(mod, g, groups, ratio, hs):
-            return forward(x_in, *args, **kwargs)[0]
+        with _Narrowing(mod, g, groups, ratio, hs, out):
+            try:
+                return forward(x_in, *args, **kwargs)[0]
+            except RuntimeError as err:  # a count of heads the block's forward takes from elsewhere
+                raise ValueError(
+                    f"tiled_attention cannot split {type(mod).__name__} by heads: its forward failed on a group of "
+                    f"{mod.q_proj.out_features // hs} query heads ({err}); expected a forward that takes its head "
+                    f"counts from its projections or its num_heads / num_key_value_heads attributes; {_FIX}") from err
 
-    params = [getattr(module, p).weight for p in _PROJECTIONS] + \
-        [p for p in (getattr(module, p).bias for p in _PROJECTIONS) if p is not None] + \
+    params = [getattr(module, p).weight for p in projections] + \
+        [p for p in (getattr(module, p).bias for p in projections) if p is not None] + \
         [p for n in _HEAD_NORMS if isinstance(getattr(module, n, None), nn.Module)
          for p in getattr(module, n).parameters()]
     return TiledHeads.apply(share, module, x, groups, params), None
@@ -193,22 +212,32 @@ class _Narrowed(nn.Module):
 
 
 class _Narrowing:
-    """Within the block: the four projections narrowed to group ``g`` of ``groups``."""
+    """Within the block: the four projections narrowed to group ``g`` of ``groups``, and the head counts a
+    forward may read from the block itself (StableLM's views use ``num_heads``) set to the group's."""
 
-    def __init__(self, module, g: int, groups: int, ratio: int, hs: int):
+    def __init__(self, module, g: int, groups: int, ratio: int, hs: int, out: str):
         self.module = module
         kv = module.k_proj.out_features // hs // groups  # KV heads per group
         q_rows = slice(g * kv * ratio * hs, (g + 1) * kv * ratio * hs)
         kv_rows = slice(g * kv * hs, (g + 1) * kv * hs)
         self.views = {"q_proj": _Narrowed(module.q_proj, rows=q_rows), "k_proj": _Narrowed(module.k_proj, rows=kv_rows),
                       "v_proj": _Narrowed(module.v_proj, rows=kv_rows),
-                      "o_proj": _Narrowed(module.o_proj, cols=q_rows, bias=g == 0)}
+                      out: _Narrowed(getattr(module, out), cols=q_rows, bias=g == 0)}
+        whole = {"num_heads": kv * ratio * groups, "num_attention_heads": kv * ratio * groups,
+                 "num_key_value_heads": kv * groups, "hidden_size": kv * ratio * groups * hs}
+        part = {"num_heads": kv * ratio, "num_attention_heads": kv * ratio, "num_key_value_heads": kv,
+                "hidden_size": kv * ratio * hs}
+        self.counts = {name: part[name] for name, value in whole.items()
+                       if type(vars(module).get(name)) is int and vars(module)[name] == value}
 
     def __enter__(self):
         self.saved = {name: self.module._modules[name] for name in self.views}
+        self.saved_counts = {name: vars(self.module)[name] for name in self.counts}
         self.module._modules.update(self.views)
+        vars(self.module).update(self.counts)
         return self
 
     def __exit__(self, *exc):
         self.module._modules.update(self.saved)
+        vars(self.module).update(self.saved_counts)
         return False

@@ -48,6 +48,8 @@ def _count_tiled_calls(monkeypatch) -> list:
     ("gemma3_text", {}),                 # per-head q/k norms, query_pre_attn_scalar, sliding layers
     ("cohere", {}),                      # parallel attention and MLP in one layer
     ("llama", {"attention_bias": True}),  # o_proj's bias: added by group 0 only
+    ("phi", {}),                          # the output projection named dense, partial RoPE
+    ("stablelm", {}),                     # its views read the block's num_heads / num_key_value_heads
 ])
 @pytest.mark.parametrize("shards", ["auto", 1])
 def test_tiled_blocks_train_like_untiled(family, extra, shards, monkeypatch):
@@ -99,9 +101,10 @@ def test_auto_takes_the_most_groups_that_split_evenly_over_the_sp_ranks():
 
 @pytest.mark.parametrize("family,extra,message", [
     ("olmo2", {}, "its q_norm normalises every head's features together"),
-    ("gpt_neox", {}, "it has no q_proj, k_proj, v_proj, o_proj"),
+    ("gpt_neox", {}, "it has no q_proj, k_proj, v_proj (its parts: query_key_value, dense)"),
     ("gpt_oss", {"attn": "eager"}, "it holds sinks (attention sinks, one logit per head)"),
     ("llama", {"attention_dropout": 0.1}, "attention_dropout=0.1 draws its masks again"),
+    ("stablelm", {"qk_layernorm": True}, "its q_layernorm keeps a norm per head (q_layernorm.norms.0.weight)"),
 ])
 def test_blocks_that_are_not_sums_over_heads_are_refused_by_name(family, extra, message):
     model = tiny_model(tiny_config(family, heads=4, kv_heads=2, **extra))
