@@ -127,6 +127,8 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
         router_side = _router_side(model)
         _require_mlps(model)
     if section.tiled_attention.enabled:
+        if mesh.sp > 1:  # a model SP cannot serve is refused for that, not for its attention blocks' layout
+            check_model_servable(model.config, model)
         attention_plans = plan_attention_tiling(model, mesh.sp, section.tiled_attention.shards)
     if section.activation_checkpoint_offload.enabled:
         check_checkpoint_offload(model)
