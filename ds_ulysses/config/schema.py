@@ -188,6 +188,12 @@ def _cross_field_errors(section: Mapping) -> list[tuple[JsonPath, str]]:
                 f"sequence_parallel_size={sp}, got {show(list(section['mesh_param']))}; fix: make "
                 "them agree or give only one of the two")))
         sp = mesh_sp
+    ring = section.get("ring_size")
+    if _given(section, "ring_size") and ring != "auto" and sp % ring:
+        fits = [r for r in range(1, sp + 1) if sp % r == 0]
+        out.append((("ring_size",), (
+            f"{_dotted(('ring_size',))}: expected a divisor of sp={sp} (sp = Ulysses degree x ring_size), got "
+            f"{ring}; fix: use one of {fits}, or \"auto\"")))
     if section.get("seq_length_is_variable") is False and _given(section, "seq_length"):
         length = section["seq_length"]
         if length % sp:

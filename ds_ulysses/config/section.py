@@ -119,7 +119,12 @@ class UlyssesConfig(_Section):
         "activation_checkpoint_offload": ActivationCheckpointOffloadConfig}
 
     sequence_parallel_size: int = 1
-    """Ranks sharing one sequence; each gets a contiguous run of heads (any count, sp <= heads)."""
+    """Ranks sharing one sequence: the Ulysses degree times ring_size (each Ulysses rank gets a contiguous run of
+    heads, any count, sp / ring_size <= heads)."""
+    ring_size: int | Literal["auto"] = 1
+    """Ranks of the SP group that rotate key/value blocks (ring attention) rather than split heads, so sp can exceed
+    the head count; divides sp. "auto" picks the smallest that fits the heads and a node at setup
+    (:func:`ds_ulysses.sp.heads.resolve_ring_size`)."""
     mesh_param: tuple[int, int] | None = None
     """Explicit (dp, sp) grid; None infers dp = world_size / sp (``ds_ulysses.distributed.mesh_shape``)."""
     attn_implementation: str = "sdpa"

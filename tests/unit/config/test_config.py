@@ -163,7 +163,7 @@ INVALID = [
     ("unknown key with suggestion", {"sequence_paralel_size": 2},
      ["ulysses.sequence_paralel_size: unknown field; did you mean 'sequence_parallel_size'?"]),
     ("unknown key without a near match", {"zzz": 1},
-     ["ulysses.zzz: unknown field; allowed fields: sequence_parallel_size, mesh_param"]),
+     ["ulysses.zzz: unknown field; allowed fields: sequence_parallel_size, ring_size, mesh_param"]),
     ("unknown nested key", {"tiled_mlp": {"enable": True}},
      ["ulysses.tiled_mlp.enable: unknown field; did you mean 'enabled'?"]),
     ("wrong type", {"sequence_parallel_size": "4"},
@@ -181,6 +181,12 @@ INVALID = [
     ("mesh_param/sp disagreement", {"mesh_param": [2, 4], "sequence_parallel_size": 2},
      ["ulysses.mesh_param: expected its sp (second entry) to equal sequence_parallel_size=2, "
       "got [2, 4]"]),
+    ("ring_size not a divisor of sp", {"sequence_parallel_size": 6, "ring_size": 4},
+     ["ulysses.ring_size: expected a divisor of sp=6", "got 4", "use one of [1, 2, 3, 6], or \"auto\""]),
+    ("ring_size not a divisor of mesh_param's sp", {"mesh_param": [1, 4], "ring_size": 3},
+     ["ulysses.ring_size: expected a divisor of sp=4", "got 3"]),
+    ("ring_size 0", {"ring_size": 0}, ['ulysses.ring_size: expected "auto" or an integer >= 1, got 0']),
+    ("ring_size word", {"ring_size": "max"}, ['ulysses.ring_size: expected "auto" or an integer >= 1, got "max"']),
     ("eager attention", {"attn_implementation": "eager"},
      ["ulysses.attn_implementation: expected one of \"sdpa\"",
       "eager needs a full S x S attention mask", 'use "sdpa" instead']),
@@ -511,3 +517,10 @@ def test_random_values_below_a_minimum_are_rejected_naming_the_field(name, below
     with pytest.raises(UlyssesConfigError) as info:
         UlyssesConfig.from_dict({name: value})
     assert any(e.startswith(f"ulysses.{name}: expected ") for e in info.value.errors), info.value.errors
+
+
+@pytest.mark.parametrize("ring", [1, 2, 4, "auto"])
+def test_ring_size_is_typed_and_round_trips(ring):
+    cfg = UlyssesConfig.from_dict({"sequence_parallel_size": 4, "ring_size": ring})
+    assert cfg.ring_size == ring and UlyssesConfig.from_dict(cfg.to_dict()) == cfg
+    assert UlyssesConfig.from_dict({}).ring_size == 1
