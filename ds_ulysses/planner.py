@@ -185,12 +185,14 @@ def breakdown(dims: ModelDims, setup: Setup) -> dict[str, tuple[float, float]]:
 
 def layer_traffic(dims: ModelDims, setup: Setup) -> dict[str, float]:
     """Bytes one rank sends per decoder layer, forward and backward together: ``"ulysses"`` (the all-to-alls of
-    q, k, v and the output, and of their gradients: the (U-1)/U of each that leaves the rank) and ``"ring"``
+    q, k, v and the output, and of their gradients: the (U-1)/U of each that leaves the rank, KV heads counted
+    once per Ulysses rank that reads them) and ``"ring"``
     (key/value blocks of ``S / ring`` tokens over this rank's KV heads, ``ring - 1`` times forward and backward,
     and their fp32 gradients ``ring`` times)."""
     b, hd = setup.act_bytes, dims.head_dim
     ulysses = setup.sp // setup.ring
-    qkvo = setup.local * hd * (2 * dims.heads + 2 * dims.kv_heads)
+    # a KV head shared by several Ulysses ranks is sent to each (2 KV heads over 4 ranks: 4 sent)
+    qkvo = setup.local * hd * (2 * dims.heads + 2 * max(dims.kv_heads, ulysses))
     out = {"ulysses": 2 * qkvo * (ulysses - 1) / ulysses * b, "ring": 0.0}
     if setup.ring > 1:
         block = 2 * math.ceil(dims.kv_heads / ulysses) * setup.seq_len / setup.ring * hd  # K and V elements

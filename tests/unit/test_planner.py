@@ -128,11 +128,14 @@ def test_past_the_heads_the_plan_takes_the_smallest_ring_within_a_node(capsys):
 def test_layer_traffic_counts_what_leaves_a_rank():
     dims = KNOWN_MODELS["ds-ulysses-bench"]  # 8 heads, 2 KV heads, head size 32
     b, s = 2, 4096
-    # Ulysses 4: q, k, v, out (8 + 2 + 2 + 8 heads) of S/4 tokens, 3/4 of each sent, forward and backward
-    assert layer_traffic(dims, Setup(s, 4, 4)) == {"ulysses": 2 * (s / 4) * 32 * 20 * 3 / 4 * b, "ring": 0.0}
+    # Ulysses 4: q, k, v, out (8 + 4 + 4 + 8 heads: each KV head goes to 2 ranks) of S/4 tokens, 3/4 of each sent,
+    # forward and backward; benchmarks/ring_layouts.py counted the same bytes (fp32, S 1024) on 4 gloo ranks
+    assert layer_traffic(dims, Setup(s, 4, 4)) == {"ulysses": 2 * (s / 4) * 32 * 24 * 3 / 4 * b, "ring": 0.0}
+    assert layer_traffic(dims, Setup(1024, 4, 4, act_bytes=4))["ulysses"] == 1179648
     # Ulysses 2 x ring 2: each rank's K/V block is 1 KV head x S/2 tokens; 1 send forward, 1 back, 2 fp32 grads
     block = 2 * 1 * (s / 2) * 32
     assert layer_traffic(dims, Setup(s, 4, 4, ring=2)) == {"ulysses": 2 * (s / 4) * 32 * 20 / 2 * b,
                                                            "ring": 2 * block * b + 2 * block * 4}
     assert layer_traffic(dims, Setup(s, 4, 4, ring=4))["ulysses"] == 0.0
+    assert [layer_traffic(dims, Setup(1024, 4, 4, act_bytes=4, ring=r))["ring"] for r in (2, 4)] == [524288, 1310720]
     assert breakdown(dims, Setup(s, 4, 4, ring=2))["ring blocks in flight"][0] > 0
