@@ -346,9 +346,9 @@ def run_command(args: argparse.Namespace) -> int:
           f"param={setup.offload_param}")
     if setup.ring > 1:
         traffic = layer_traffic(dims, setup)
-        print(f"ring: sp={setup.sp} exceeds the model's {dims.heads} query heads, so sp = Ulysses {setup.sp // setup.ring}"
-              f" x ring {setup.ring}; sent per layer and rank (forward + backward): Ulysses all-to-all "
-              f"{traffic['ulysses'] / 2 ** 20:.1f} MiB, ring {traffic['ring'] / 2 ** 20:.1f} MiB")
+        print(f"ring: sp={setup.sp} exceeds the model's {dims.heads} query heads, so sp = Ulysses "
+              f"{setup.sp // setup.ring} x ring {setup.ring}; sent per layer and rank (forward + backward): Ulysses "
+              f"all-to-all {traffic['ulysses'] / 2 ** 20:.1f} MiB, ring {traffic['ring'] / 2 ** 20:.1f} MiB")
     print(format_breakdown(dims, setup, args.overhead * GIB))
     config = {"ulysses": ulysses_section(setup),
               "zero_optimization": {"stage": 3, **({"offload_optimizer": {"device": "cpu"}} if setup.offload_optimizer

@@ -5,11 +5,12 @@ per-layer all-to-all stays inside a node), a DP group is a column (ranks that ho
 shard of different samples). With a ring (``ring_size > 1``) each row is itself a grid
 ``view(ring, ulysses)``: the Ulysses all-to-all runs on its innermost, contiguous ranks (the node's fast
 links), the ring attention's point-to-point blocks across them; the SP group is still the whole row, so
-the data adapter, the loss, DP and ZeRO see the mesh they see without a ring. The :class:`Mesh` object is passed to whatever needs groups; the mesh
-is never a module global. Its process groups are shared, though: torch keeps every group (and its
-gloo threads) until the world is destroyed, so a process that sets up SP many times (a notebook, a
-hyperparameter search, the architecture sweep) would otherwise gain three groups and about nine
-threads per setup; every mesh of one world gets the groups the first mesh of its shape made.
+the data adapter, the loss, DP and ZeRO see the mesh they see without a ring. The :class:`Mesh` object is
+passed to whatever needs groups; the mesh is never a module global. Its process groups are shared,
+though: torch keeps every group (and its gloo threads) until the world is destroyed, so a process that
+sets up SP many times (a notebook, a hyperparameter search, the architecture sweep) would otherwise
+gain three groups and about nine threads per setup; every mesh of one world gets the groups the first
+mesh of its shape made.
 
 :class:`Mesh` doubles as the Megatron-style ``mpu`` that ``deepspeed.initialize(mpu=...)`` reads:
 DeepSpeed takes its batch arithmetic from ``get_data_parallel_world_size`` (dp), its ZeRO
