@@ -4,7 +4,7 @@ The engine cases take one step through ``ds_ulysses.initialize`` with the sectio
 loss with its SP group's sample run unsharded (<= 1e-5 relative) and every parameter's full gradient with the
 unsharded one (<= 1e-4 relative, the project's bar; measured 3e-7 to 5e-7): a model with 2 query heads and 1 KV
 head at sp 4 (more ranks than heads) as Ulysses 2 x ring 2 and as a ring of 4, dp 2 x ring 2, "auto", lengths that
-need padding, ZeRO-1, 2 and 3. The drop-in case registers by DeepSpeed's call with ``ring_size`` and sums its own
+need padding, ZeRO-1, 2 and 3, and 3 heads split unevenly on the Ulysses axis. The drop-in case registers by DeepSpeed's call with ``ring_size`` and sums its own
 loss over the group, as DeepSpeed's tutorial does. Every refusal must be raised on every rank (no rank left waiting
 in a collective).
 """
@@ -34,6 +34,7 @@ def _engine_case(rank, world_size, ring, stage, length, heads, kv_heads, dp):
     (4, 3, 24, 2, 1, 1),       # a ring of 4 (Ulysses 1), ZeRO-3
     ("auto", 2, 21, 2, 1, 1),  # the smallest ring that fits 2 heads: 2
     (2, 1, 22, 4, 2, 2),       # dp 2 x sp 2 (ring 2)
+    (2, 1, 20, 3, 1, 1),       # 3 heads split 2 / 1 on the Ulysses axis, the KV head sent to both
 ])
 def test_ring_trains_exactly_like_the_unsharded_model(ring, stage, length, heads, kv_heads, dp):
     for res in run_distributed(_engine_case, 4, ring, stage, length, heads, kv_heads, dp, timeout=600):
