@@ -4,9 +4,9 @@ The engine cases take one step through ``ds_ulysses.initialize`` with the sectio
 loss with its SP group's sample run unsharded (<= 1e-5 relative) and every parameter's full gradient with the
 unsharded one (<= 1e-4 relative, the project's bar; measured 3e-7 to 5e-7): a model with 2 query heads and 1 KV
 head at sp 4 (more ranks than heads) as Ulysses 2 x ring 2 and as a ring of 4, dp 2 x ring 2, "auto", lengths that
-need padding, ZeRO-1, 2 and 3, and 3 heads split unevenly on the Ulysses axis. The drop-in case registers by DeepSpeed's call with ``ring_size`` and sums its own
-loss over the group, as DeepSpeed's tutorial does, with and without gradient checkpointing. Every refusal must be raised on every rank (no rank left waiting
-in a collective).
+need padding, ZeRO-1, 2 and 3, and 3 heads split unevenly on the Ulysses axis. The drop-in case registers by
+DeepSpeed's call with ``ring_size`` and sums its own loss over the group, as DeepSpeed's tutorial does, with and
+without gradient checkpointing. Every refusal must be raised on every rank (no rank left waiting in a collective).
 """
 
 import copy
