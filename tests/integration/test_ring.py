@@ -111,3 +111,20 @@ def test_dropin_ring_is_exact_with_and_without_checkpointing_and_refusals_reach_
         assert "asks for attention dropout 0.1" in res["dropout"] and "set ring_size to 1" in res["dropout"]
     for key in ("packed", "left_padding", "natural_order", "dropout"):
         assert len({res[key] for res in results}) == 1, key  # the same error on every rank
+
+
+def _window_case(rank, world_size):
+    config = ds_config(1, sp=4, extra_section={"ring_size": 2})
+    try:
+        engine_vs_reference(rank, world_size, config, family="mistral", length=24, heads=2, kv_heads=1,
+                            extra={"sliding_window": 8})
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_a_window_shorter_than_the_sequence_is_refused_on_every_rank():
+    # the window is judged against the whole sequence (a ring block x ring_size): every rank sees 24 tokens
+    errors = run_distributed(_window_case, 4, timeout=600)
+    assert len(set(errors)) == 1
+    assert "layer 0 (MistralAttention) asks for a sliding window of 8 tokens over a 24-token sequence" in errors[0]
