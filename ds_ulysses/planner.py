@@ -36,9 +36,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from .config import resolve_ring_size
 from .constants import GIB
 from .memory.tiles import auto_loss_shards, auto_mlp_shards
-from .sp.heads import resolve_ring_size
 
 __all__ = ["parse_size", "ModelDims", "Setup", "KNOWN_MODELS", "load_dims", "layer_units", "breakdown", "fits",
            "recommend", "max_seq_len", "cpu_rss", "ulysses_section", "layer_traffic", "add_arguments",

@@ -36,11 +36,11 @@ import weakref
 
 import torch
 
+from ..config import resolve_ring_size
 from ..distributed.mesh import Mesh, build_mesh
 from ..patching import PATCHES
 from ..sp.attention import HUB_KERNEL, UlyssesAttention, check_core_attention
 from ..sp.forward_check import PositionCheck, Problem
-from ..sp.heads import resolve_ring_size
 from ..sp.ring import RingCore
 from .decoder_watch import sp_active, watch_decoder
 from .model_facts import config_value, text_config

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HeadPlan", "plan_heads", "resolve_ring_size"]
+__all__ = ["HeadPlan", "plan_heads"]
 
 
 @dataclass(frozen=True)
@@ -55,29 +55,3 @@ def plan_heads(num_heads: int, num_kv_heads: int, world_size: int) -> HeadPlan:
         q_heads.append(mine)
     return HeadPlan(tuple(q_heads), tuple(kv_heads))
 
-
-def resolve_ring_size(ring_size, sp: int, head_counts, node_size: int | None = None) -> int:
-    """The ring degree for ``sp`` ranks: ``ring_size`` checked, or ``"auto"`` resolved.
-
-    Ulysses splits heads, so its degree ``sp / ring_size`` may not exceed the fewest query heads of any layer
-    (``head_counts``); the ring takes the rest of sp. ``"auto"`` is the smallest divisor of sp that makes the Ulysses
-    degree fit the heads and ``node_size`` (ranks per node, when known: the all-to-all wants the node's links; the
-    ring's point-to-point blocks tolerate slower ones). A ring_size that does not fit raises naming the smallest
-    one that does.
-    """
-    heads = min(head_counts)
-    divisors = [r for r in range(1, sp + 1) if sp % r == 0]
-    fits_heads = [r for r in divisors if sp // r <= heads]
-    if ring_size == "auto":
-        in_node = [r for r in fits_heads if node_size is None or sp // r <= node_size]
-        return (in_node or fits_heads)[0]
-    if isinstance(ring_size, bool) or not isinstance(ring_size, int) or ring_size < 1 or sp % ring_size:
-        raise ValueError(
-            f"ring_size: expected \"auto\" or a divisor of sequence_parallel_size={sp} (sp = Ulysses degree x "
-            f"ring_size), got {ring_size!r}; fix: use one of {divisors}")
-    if sp // ring_size > heads:
-        raise ValueError(
-            f"ring_size={ring_size} leaves a Ulysses degree of sequence_parallel_size / ring_size = {sp // ring_size}, "
-            f"more than the model's {heads} query heads (Ulysses gives every rank at least one head); expected "
-            f"sp / ring_size <= {heads}; fix: set ring_size to {fits_heads[0]} (the smallest that works) or \"auto\"")
-    return ring_size

@@ -22,7 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ds_ulysses.config import (ActivationCheckpointOffloadConfig, TiledLossConfig, TiledMLPConfig, UlyssesConfig,
-                               UlyssesConfigError, load_schema, parse_ds_config, section as config_module)
+                               UlyssesConfigError, load_schema, parse_ds_config, resolve_ring_size,
+                               section as config_module)
 from tests.support import REPO
 
 SCHEMA = load_schema()
@@ -527,3 +528,25 @@ def test_ring_size_is_typed_and_round_trips(ring):
     cfg = UlyssesConfig.from_dict({"sequence_parallel_size": 4, "ring_size": ring})
     assert cfg.ring_size == ring and UlyssesConfig.from_dict(cfg.to_dict()) == cfg
     assert UlyssesConfig.from_dict({}).ring_size == 1
+
+
+@pytest.mark.parametrize("ring,sp,heads,node,expected", [
+    (1, 4, [8], None, 1), (2, 4, [2], None, 2), (4, 4, [2], None, 4),
+    ("auto", 4, [8], None, 1), ("auto", 8, [2, 4], None, 4), ("auto", 6, [4], None, 2),
+    ("auto", 16, [32], 8, 2), ("auto", 16, [4], 8, 4), ("auto", 8, [1], None, 8)])
+def test_ring_size_resolves_to_a_divisor_that_fits_the_heads(ring, sp, heads, node, expected):
+    assert resolve_ring_size(ring, sp, heads, node) == expected
+
+
+def test_ring_size_too_small_names_the_smallest_that_works():
+    with pytest.raises(ValueError, match=r"Ulysses degree of sequence_parallel_size / ring_size = 4, more than the "
+                                         r"model's 2 query heads.*fix: set ring_size to 2 \(the smallest"):
+        resolve_ring_size(1, 4, [2, 8], None)
+    with pytest.raises(ValueError, match=r"fix: set ring_size to 3 \(the smallest"):
+        resolve_ring_size(1, 6, [2], None)
+
+
+@pytest.mark.parametrize("ring", [3, 0, True, "2"])
+def test_ring_size_not_a_divisor_is_refused(ring):
+    with pytest.raises(ValueError, match=r"ring_size: expected \"auto\" or a divisor of sequence_parallel_size=4"):
+        resolve_ring_size(ring, 4, [8], None)
