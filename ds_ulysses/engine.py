@@ -38,7 +38,7 @@ from .hf.attention_tiling import apply_attention_tiling, plan_attention_tiling
 from .hf.checkpointing import check_checkpoint_offload, enable_activation_checkpoint_offload
 from .hf.loss import enable_sp_loss, tiled_causal_lm_loss
 from .hf.model_facts import layout_facts, text_config, vocab_size
-from .hf.register import UlyssesSPAttentionHF, register_with_transformers, sp_attention_of
+from .hf.register import UlyssesSPAttentionHF, register_with_transformers, resolve_ring, sp_attention_of
 from .hf.router_loss import router_logits_tiles
 from .hf.servable import check_model_servable, decoder_of
 from .hf.trainer import install_accelerate
@@ -129,7 +129,7 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
     if section.tiled_attention.enabled:
         if mesh.sp > 1:  # a model SP cannot serve is refused for that, not for its attention blocks' layout
             check_model_servable(model.config, model)
-        attention_plans = plan_attention_tiling(model, mesh.sp, section.tiled_attention.shards)
+        attention_plans = plan_attention_tiling(model, mesh.ulysses_size, section.tiled_attention.shards)
     if section.activation_checkpoint_offload.enabled:
         check_checkpoint_offload(model)
     if mesh.sp > 1:
@@ -138,7 +138,7 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
             register_with_transformers(model, section.attn_implementation, mesh.sp, micro_batch_size,
                                        section.seq_length, section.seq_length_is_variable,
                                        section.disable_in_eval, mesh=mesh, scope="model")
-        elif served.process_group is not mesh.sp_group:
+        elif served.process_group is not mesh.ulysses_group:
             raise ValueError(
                 f"{type(model).__name__}'s attention is already registered for Ulysses SP on another SP group "
                 f"(ranks {served.watch.ranks}) than this engine's mesh {mesh}; expected one registration per model; "
@@ -223,7 +223,7 @@ def _sp_loader(training_data, mesh: Mesh, section: UlyssesConfig, micro_batch_si
     loader = DataLoader(training_data, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn)
     return UlyssesSPDataLoaderAdapter(loader, mesh.sp_rank, mesh.sp_group, mesh.sp, collective_device(mesh.sp_group),
                                       pad_to_multiple=section.pad_to_multiple, pad_token_id=section.pad_token_id,
-                                      vocab_size=vocab_size, watch=mesh.sp_watch)
+                                      vocab_size=vocab_size, watch=mesh.sp_watch, ring_size=mesh.ring_size)
 
 
 def _check_ranks_agree(section: UlyssesConfig, model) -> None:
@@ -250,13 +250,20 @@ def _check_ranks_agree(section: UlyssesConfig, model) -> None:
             "every rank the same config file and checkpoint")
 
 
-def _reuse_mesh(mpu: Mesh, dp: int, sp: int) -> Mesh:
+def _reuse_mesh(mpu: Mesh, dp: int, sp: int, ring: int) -> Mesh:
     """The mesh a registration built (Accelerate passes it as ``mpu``), if it is the section's."""
     if (mpu.dp, mpu.sp) != (dp, sp):
         raise ValueError(
             f"the mpu passed to deepspeed.initialize is a ds_ulysses mesh of dp={mpu.dp} x sp={mpu.sp}, but the "
             f"\"ulysses\" section gives dp={dp} x sp={sp}; expected one SP size (Accelerate's parallelism_config "
             "sp_size, or the sp of register_with_transformers, and the section's); fix: make them equal")
+    if mpu.ring_size != ring:
+        raise ValueError(
+            f"the mpu passed to deepspeed.initialize is a ds_ulysses mesh with ring_size={mpu.ring_size}, but the "
+            f"\"ulysses\" section gives ring_size={ring}; expected one ring (Transformers' Trainer and Accelerate "
+            "register SP without one, so they serve ring_size 1 only); fix: pass the section's ring_size to "
+            "register_with_transformers(..., ring_size=...), call ds_ulysses.initialize without an mpu, or set "
+            "ring_size to 1")
     return mpu
 
 
@@ -351,7 +358,9 @@ def initialize(model=None, config=None, mesh_param=None, model_parameters=None, 
     dp, sp = mesh_shape(dist.get_world_size(), section.sp, section.mesh_param)
     grad_scale = loss_grad_scale(ds_config, sp)
     check_gradient_predivide(ds_config, sp, dp * sp)
-    mesh = _reuse_mesh(mpu, dp, sp) if mpu is not None else Mesh(dp, sp, section.comm_timeout_seconds)
+    ring = resolve_ring(model.config, section.ring_size, sp) if sp > 1 else 1
+    mesh = (_reuse_mesh(mpu, dp, sp, ring) if mpu is not None
+            else Mesh(dp, sp, section.comm_timeout_seconds, ring_size=ring))
     micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
     prepare_model(model, section, mesh, micro, grad_scale)
     ds_config["sequence_parallel_size"] = sp

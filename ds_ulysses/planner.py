@@ -15,6 +15,12 @@ tile's buffer, :mod:`ds_ulysses.memory.fused_ce`). Ulysses divides all four by s
 parameters (b_p P), gradients and Adam states (12 P in fp32) by N, or moves them to the host with
 offload.
 
+Past the head count (sp > heads) the plan takes a ring (:mod:`ds_ulysses.sp.ring`): the smallest ring that keeps
+the Ulysses degree within the heads and a node of 8 GPUs (within the heads it keeps Ulysses alone, across nodes
+too, as ALST measured it). Its activations are Ulysses' (each rank still holds
+``sl_l`` tokens' worth of q, k, v) plus the blocks in flight (:func:`breakdown`), and its price is traffic
+(:func:`layer_traffic`): the ring sends key/value blocks where Ulysses sends all four of q, k, v and the output.
+
 On CPU there is no separate device memory: the prediction for a CPU run is one process's RSS high
 water mark = a measured runtime baseline (Python, torch, DeepSpeed, Transformers, communication
 buffers: ``--cpu-baseline``) + model states on both "sides" + the activation peak. Without
@@ -30,11 +36,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from .config import resolve_ring_size
 from .constants import GIB
 from .memory.tiles import auto_loss_shards, auto_mlp_shards
 
 __all__ = ["parse_size", "ModelDims", "Setup", "KNOWN_MODELS", "load_dims", "layer_units", "breakdown", "fits",
-           "recommend", "max_seq_len", "cpu_rss", "ulysses_section", "add_arguments", "run_command"]
+           "recommend", "max_seq_len", "cpu_rss", "ulysses_section", "layer_traffic", "add_arguments",
+           "run_command"]
+
+NODE_GPUS = 8  # GPUs per node the plan keeps each Ulysses group within
 
 def parse_size(text: str) -> int:
     """``4096``, ``4K``/``4k`` (x1024) or ``1M`` (x1024^2) -> int."""
@@ -118,6 +128,7 @@ class Setup:
     tiled_loss: int = 1           # logits tiles (1 = untiled)
     offload_optimizer: bool = True
     offload_param: bool = False
+    ring: int = 1                 # ulysses.ring_size (sp / ring ranks split heads)
 
     @property
     def local(self) -> float:
@@ -164,6 +175,28 @@ def breakdown(dims: ModelDims, setup: Setup) -> dict[str, tuple[float, float]]:
     else:
         logits_bytes = 4 + (2 if b < 4 else 0)  # one fp32 buffer, logits then gradient (+ the bf16 logits it upcasts)
     out["logits + loss"] = (math.ceil(setup.local / setup.tiled_loss) * dims.vocab * logits_bytes, 0.0)
+    if setup.ring > 1:
+        # backward holds a received K/V block (2 r u), the K/V gradient being accumulated and the one in flight
+        # (fp32: 2 x 2 r u x 4/b) and the fp32 query gradient (u x 4/b); the forward holds less
+        r = dims.kv_heads / dims.heads
+        out["ring blocks in flight"] = (2 * r * u + (4 * r + 1) * u * 4 / b, 0.0)
+    return out
+
+
+def layer_traffic(dims: ModelDims, setup: Setup) -> dict[str, float]:
+    """Bytes one rank sends per decoder layer, forward and backward together: ``"ulysses"`` (the all-to-alls of
+    q, k, v and the output, and of their gradients: the (U-1)/U of each that leaves the rank, KV heads counted
+    once per Ulysses rank that reads them) and ``"ring"``
+    (key/value blocks of ``S / ring`` tokens over this rank's KV heads, ``ring - 1`` times forward and backward,
+    and their fp32 gradients ``ring`` times)."""
+    b, hd = setup.act_bytes, dims.head_dim
+    ulysses = setup.sp // setup.ring
+    # a KV head shared by several Ulysses ranks is sent to each (2 KV heads over 4 ranks: 4 sent)
+    qkvo = setup.local * hd * (2 * dims.heads + 2 * max(dims.kv_heads, ulysses))
+    out = {"ulysses": 2 * qkvo * (ulysses - 1) / ulysses * b, "ring": 0.0}
+    if setup.ring > 1:
+        block = 2 * math.ceil(dims.kv_heads / ulysses) * setup.seq_len / setup.ring * hd  # K and V elements
+        out["ring"] = 2 * (setup.ring - 1) * block * b + setup.ring * block * 4
     return out
 
 
@@ -176,17 +209,19 @@ def fits(dims: ModelDims, setup: Setup, gpu_mem: float, cpu_mem: float | None, o
 
 def _candidates(dims: ModelDims, seq_len: int, gpus: int, act_bytes: int):
     """Every setup, cheapest first: small sp, then the switches ordered by what they cost in time."""
-    sps = [sp for sp in range(1, min(gpus, dims.heads) + 1) if gpus % sp == 0]
+    sps = [sp for sp in range(1, gpus + 1) if gpus % sp == 0]
     out = []
     for sp, ckpt, mlp, loss, offload, opt, par in itertools.product(sps, (False, True), (False, True), (False, True),
                                                                      (False, True), (False, True), (False, True)):
         if offload and not ckpt:
             continue
         local = max(1, seq_len // sp)
+        ring = 1 if sp <= dims.heads else resolve_ring_size("auto", sp, [dims.heads], NODE_GPUS)
         setup = Setup(seq_len, gpus, sp, act_bytes, ckpt, offload,
                       auto_mlp_shards(local, dims.hidden) if mlp else 1,
-                      auto_loss_shards(local, dims.vocab) if loss else 1, opt, par)
-        cost = math.log2(sp) * 1.0 + ckpt * 1.0 + mlp * 0.3 + loss * 0.1 + offload * 0.5 + opt * 0.6 + par * 2.0
+                      auto_loss_shards(local, dims.vocab) if loss else 1, opt, par, ring)
+        cost = (math.log2(sp) * 1.0 + math.log2(ring) * 0.5 + ckpt * 1.0 + mlp * 0.3 + loss * 0.1 + offload * 0.5
+                + opt * 0.6 + par * 2.0)
         out.append((cost, setup))
     out.sort(key=lambda cs: cs[0])
     return [s for _, s in out]
@@ -249,6 +284,7 @@ def ulysses_section(setup: Setup) -> dict:
 
     section = {
         "sequence_parallel_size": setup.sp,
+        **({"ring_size": setup.ring} if setup.ring > 1 else {}),
         "tiled_mlp": {"enabled": setup.tiled_mlp > 1, "shards": setup.tiled_mlp if setup.tiled_mlp > 1 else "auto"},
         "tiled_loss": {"enabled": setup.tiled_loss > 1, "shards": setup.tiled_loss if setup.tiled_loss > 1 else "auto"},
         "activation_checkpoint_offload": {"enabled": setup.ckpt_offload},
@@ -301,13 +337,18 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     if setup is None:
         print(f"ds-ulysses plan: nothing fits: S={seq_len:,} on {args.gpus} x {args.gpu_mem} GiB even with sp="
-              f"{min(args.gpus, dims.heads)} and every switch on; add GPUs or shorten the sequence", file=sys.stderr)
+              f"{args.gpus} and every switch on; add GPUs or shorten the sequence", file=sys.stderr)
         return 1
     print(f"model: {dims.params / 1e9:.2f}B params, {dims.layers} layers, h={dims.hidden}, I={dims.intermediate}, "
           f"V={dims.vocab}; S={seq_len:,}, {args.gpus} GPU(s)")
     print(f"plan: sp={setup.sp} (dp={args.gpus // setup.sp}), gradient checkpointing "
           f"{'on' if setup.checkpointing else 'off'}, ZeRO-3 offload optimizer={setup.offload_optimizer} "
           f"param={setup.offload_param}")
+    if setup.ring > 1:
+        traffic = layer_traffic(dims, setup)
+        print(f"ring: sp={setup.sp} exceeds the model's {dims.heads} query heads, so sp = Ulysses "
+              f"{setup.sp // setup.ring} x ring {setup.ring}; sent per layer and rank (forward + backward): Ulysses "
+              f"all-to-all {traffic['ulysses'] / 2 ** 20:.1f} MiB, ring {traffic['ring'] / 2 ** 20:.1f} MiB")
     print(format_breakdown(dims, setup, args.overhead * GIB))
     config = {"ulysses": ulysses_section(setup),
               "zero_optimization": {"stage": 3, **({"offload_optimizer": {"device": "cpu"}} if setup.offload_optimizer

@@ -3,8 +3,8 @@ validation that names every error, and the typed frozen :class:`UlyssesConfig` b
 
 from .schema import SECTION_KEY, UlyssesConfigError, attn_implementations, load_schema
 from .section import (ActivationCheckpointOffloadConfig, TiledAttentionConfig, TiledLossConfig, TiledMLPConfig,
-                      UlyssesConfig, parse_ds_config)
+                      UlyssesConfig, parse_ds_config, resolve_ring_size)
 
 __all__ = ["SECTION_KEY", "UlyssesConfigError", "attn_implementations", "load_schema",
            "ActivationCheckpointOffloadConfig", "TiledAttentionConfig", "TiledLossConfig", "TiledMLPConfig",
-           "UlyssesConfig", "parse_ds_config"]
+           "UlyssesConfig", "parse_ds_config", "resolve_ring_size"]

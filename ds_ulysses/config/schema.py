@@ -11,6 +11,7 @@ import copy
 import difflib
 import functools
 import json
+import math
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -188,9 +189,23 @@ def _cross_field_errors(section: Mapping) -> list[tuple[JsonPath, str]]:
                 f"sequence_parallel_size={sp}, got {show(list(section['mesh_param']))}; fix: make "
                 "them agree or give only one of the two")))
         sp = mesh_sp
+    ring = section.get("ring_size")
+    if _given(section, "ring_size") and ring != "auto" and sp % ring:
+        fits = [r for r in range(1, sp + 1) if sp % r == 0]
+        out.append((("ring_size",), (
+            f"{_dotted(('ring_size',))}: expected a divisor of sp={sp} (sp = Ulysses degree x ring_size), got "
+            f"{ring}; fix: use one of {fits}, or \"auto\"")))
     if section.get("seq_length_is_variable") is False and _given(section, "seq_length"):
         length = section["seq_length"]
-        if length % sp:
+        if _given(section, "ring_size") and ring not in ("auto", 1) and sp % ring == 0:
+            multiple = math.lcm(sp, 2 * ring)
+            if length % multiple:
+                nearest = sorted({max(multiple, length - length % multiple), length - length % multiple + multiple})
+                out.append((("seq_length",), (
+                    f"{_dotted(('seq_length',))}: expected a multiple of lcm(sp={sp}, 2 x ring_size={ring}) = "
+                    f"{multiple} (equal shards, each ring rank a head and a tail chunk), got {length}; fix: use "
+                    f"{' or '.join(map(str, nearest))}, or set seq_length_is_variable to true")))
+        elif length % sp:
             nearest = sorted({max(sp, length - length % sp), length - length % sp + sp})
             out.append((("seq_length",), (
                 f"{_dotted(('seq_length',))}: expected a multiple of sp={sp} (each rank holds "

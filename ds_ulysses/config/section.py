@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal
 from .schema import SECTION_KEY, JsonPath, UlyssesConfigError, load_schema, raise_if, section_errors, show, subschema
 
 __all__ = ["SECTION_KEY", "ActivationCheckpointOffloadConfig", "TiledLossConfig", "TiledMLPConfig",
-           "UlyssesConfig", "UlyssesConfigError", "load_schema", "parse_ds_config"]
+           "UlyssesConfig", "UlyssesConfigError", "load_schema", "parse_ds_config", "resolve_ring_size"]
 
 _MISSING = object()
 
@@ -132,7 +132,12 @@ class UlyssesConfig(_Section):
         "activation_checkpoint_offload": ActivationCheckpointOffloadConfig}
 
     sequence_parallel_size: int = 1
-    """Ranks sharing one sequence; each gets a contiguous run of heads (any count, sp <= heads)."""
+    """Ranks sharing one sequence: the Ulysses degree times ring_size (each Ulysses rank gets a contiguous run of
+    heads, any count, sp / ring_size <= heads)."""
+    ring_size: int | Literal["auto"] = 1
+    """Ranks of the SP group that rotate key/value blocks (ring attention) rather than split heads, so sp can exceed
+    the head count; divides sp. "auto" picks the smallest that fits the heads and a node at setup
+    (:func:`resolve_ring_size`)."""
     mesh_param: tuple[int, int] | None = None
     """Explicit (dp, sp) grid; None infers dp = world_size / sp (``ds_ulysses.distributed.mesh_shape``)."""
     attn_implementation: str = "sdpa"
@@ -181,6 +186,33 @@ class UlyssesConfig(_Section):
     def comm_timeout(self) -> datetime.timedelta:
         """comm_timeout_seconds in the form torch.distributed.new_group(timeout=...) takes."""
         return datetime.timedelta(seconds=self.comm_timeout_seconds)
+
+
+def resolve_ring_size(ring_size, sp: int, head_counts, node_size: int | None = None) -> int:
+    """The ring degree for ``sp`` ranks: ``ring_size`` checked, or ``"auto"`` resolved.
+
+    Ulysses splits heads, so its degree ``sp / ring_size`` may not exceed the fewest query heads of any layer
+    (``head_counts``); the ring takes the rest of sp. ``"auto"`` is the smallest divisor of sp that makes the Ulysses
+    degree fit the heads and ``node_size`` (ranks per node, when known: the all-to-all wants the node's links; the
+    ring's point-to-point blocks tolerate slower ones). A ring_size that does not fit raises naming the smallest
+    one that does.
+    """
+    heads = min(head_counts)
+    divisors = [r for r in range(1, sp + 1) if sp % r == 0]
+    fits_heads = [r for r in divisors if sp // r <= heads]
+    if ring_size == "auto":
+        in_node = [r for r in fits_heads if node_size is None or sp // r <= node_size]
+        return (in_node or fits_heads)[0]
+    if isinstance(ring_size, bool) or not isinstance(ring_size, int) or ring_size < 1 or sp % ring_size:
+        raise ValueError(
+            f"ring_size: expected \"auto\" or a divisor of sequence_parallel_size={sp} (sp = Ulysses degree x "
+            f"ring_size), got {ring_size!r}; fix: use one of {divisors}")
+    if sp // ring_size > heads:
+        raise ValueError(
+            f"ring_size={ring_size} leaves a Ulysses degree of sequence_parallel_size / ring_size = {sp // ring_size}, "
+            f"more than the model's {heads} query heads (Ulysses gives every rank at least one head); expected "
+            f"sp / ring_size <= {heads}; fix: set ring_size to {fits_heads[0]} (the smallest that works) or \"auto\"")
+    return ring_size
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:

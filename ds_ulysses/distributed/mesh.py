@@ -2,11 +2,15 @@
 
 Ranks are laid out as ``arange(world).view(dp, sp)``: an SP group is a row (contiguous ranks, so the
 per-layer all-to-all stays inside a node), a DP group is a column (ranks that hold the same sequence
-shard of different samples). The :class:`Mesh` object is passed to whatever needs groups; the mesh
-is never a module global. Its process groups are shared, though: torch keeps every group (and its
-gloo threads) until the world is destroyed, so a process that sets up SP many times (a notebook, a
-hyperparameter search, the architecture sweep) would otherwise gain three groups and about nine
-threads per setup; every mesh of one world gets the groups the first mesh of its shape made.
+shard of different samples). With a ring (``ring_size > 1``) each row is itself a grid
+``view(ring, ulysses)``: the Ulysses all-to-all runs on its innermost, contiguous ranks (the node's fast
+links), the ring attention's point-to-point blocks across them; the SP group is still the whole row, so
+the data adapter, the loss, DP and ZeRO see the mesh they see without a ring. The :class:`Mesh` object is
+passed to whatever needs groups; the mesh is never a module global. Its process groups are shared,
+though: torch keeps every group (and its gloo threads) until the world is destroyed, so a process that
+sets up SP many times (a notebook, a hyperparameter search, the architecture sweep) would otherwise
+gain three groups and about nine threads per setup; every mesh of one world gets the groups the first
+mesh of its shape made.
 
 :class:`Mesh` doubles as the Megatron-style ``mpu`` that ``deepspeed.initialize(mpu=...)`` reads:
 DeepSpeed takes its batch arithmetic from ``get_data_parallel_world_size`` (dp), its ZeRO
@@ -101,15 +105,22 @@ class Mesh(ProcessLocal):
     ``timeout_seconds`` bounds every collective on the mesh's groups.
     """
 
-    def __init__(self, dp: int, sp: int, timeout_seconds: float | None = None):
+    def __init__(self, dp: int, sp: int, timeout_seconds: float | None = None, *, ring_size: int = 1):
         world = dist.get_world_size() if dist.is_initialized() else 1
         dp, sp = mesh_shape(world, mesh_param=(dp, sp))
+        if isinstance(ring_size, bool) or not isinstance(ring_size, int) or ring_size < 1 or sp % ring_size:
+            raise ValueError(f"ring_size: expected a divisor of sp={sp} (sp = Ulysses degree x ring_size), got "
+                             f"{ring_size!r}; fix: use one of {[r for r in range(1, sp + 1) if sp % r == 0]}")
         self.dp, self.sp, self.world_size = dp, sp, world
+        self.ring_size, self.ulysses_size = ring_size, sp // ring_size
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.dp_rank, self.sp_rank = divmod(self.rank, sp)
+        self.ring_rank, self.ulysses_rank = divmod(self.sp_rank, self.ulysses_size)
         self.sp_group = self.dp_group = self.own_group = None
+        self.ring_group = None  # no ring at ring_size 1
         self.sp_ranks = [self.rank]
         self.dp_ranks = [self.rank]
+        self.ring_ranks = [self.rank]
         self.timeout_seconds = timeout_seconds
         self.sp_watch = GroupWatch(self.sp_ranks, timeout_seconds)
         if not dist.is_initialized():
@@ -125,13 +136,25 @@ class Mesh(ProcessLocal):
             group = _shared_group(col, timeout_seconds)
             if self.rank in col:
                 self.dp_group, self.dp_ranks = group, col
+        self.ulysses_group, self.ulysses_ranks = self.sp_group, self.sp_ranks
+        if ring_size > 1:
+            blocks = grid.view(dp, ring_size, self.ulysses_size)  # [dp ring ulysses]
+            for ranks in blocks.reshape(-1, self.ulysses_size).tolist():  # Ulysses: contiguous
+                group = _shared_group(ranks, timeout_seconds)
+                if self.rank in ranks:
+                    self.ulysses_group, self.ulysses_ranks = group, ranks
+            for ranks in blocks.transpose(1, 2).reshape(-1, ring_size).tolist():  # ring: stride ulysses
+                group = _shared_group(ranks, timeout_seconds)
+                if self.rank in ranks:
+                    self.ring_group, self.ring_ranks = group, ranks
         for rank in range(world):
             group = _shared_group([rank], timeout_seconds)
             if rank == self.rank:
                 self.own_group = group
 
     def __repr__(self) -> str:
-        return f"Mesh(dp={self.dp}, sp={self.sp}, rank={self.rank}, sp_rank={self.sp_rank})"
+        ring = f", ring={self.ring_size}, ulysses={self.ulysses_size}" if self.ring_size > 1 else ""
+        return f"Mesh(dp={self.dp}, sp={self.sp}{ring}, rank={self.rank}, sp_rank={self.sp_rank})"
 
     # -- the mpu interface DeepSpeed reads ------------------------------------------------------
     def get_sequence_parallel_group(self):
@@ -197,8 +220,8 @@ class Mesh(ProcessLocal):
 
 
 def build_mesh(sequence_parallel_size: int | None = None, mesh_param=None,
-               timeout_seconds: float | None = None) -> Mesh:
+               timeout_seconds: float | None = None, *, ring_size: int = 1) -> Mesh:
     """Mesh from ``mesh_param=(dp, sp)`` or from ``sequence_parallel_size`` with dp inferred."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     dp, sp = mesh_shape(world, sequence_parallel_size, mesh_param)
-    return Mesh(dp, sp, timeout_seconds)
+    return Mesh(dp, sp, timeout_seconds, ring_size=ring_size)

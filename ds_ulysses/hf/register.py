@@ -30,22 +30,25 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import warnings
 import weakref
 
 import torch
 
+from ..config import resolve_ring_size
 from ..distributed.mesh import Mesh, build_mesh
 from ..patching import PATCHES
 from ..sp.attention import HUB_KERNEL, UlyssesAttention, check_core_attention
 from ..sp.forward_check import PositionCheck, Problem
+from ..sp.ring import RingCore
 from .decoder_watch import sp_active, watch_decoder
 from .model_facts import config_value, text_config
 from .servable import check_attention_classes, check_core_supported, check_model_servable, \
     check_sinks_reach_kernel, decoder_of, sliding_layers
 
-__all__ = ["UlyssesSPAttentionHF", "register_with_transformers", "unregister_from_transformers", "sp_attention_of",
-           "SCOPES"]
+__all__ = ["UlyssesSPAttentionHF", "register_with_transformers", "resolve_ring", "unregister_from_transformers",
+           "sp_attention_of", "SCOPES"]
 
 _TAG = "attention"
 SCOPES = ("global", "model")
@@ -58,11 +61,12 @@ class UlyssesSPAttentionHF(UlyssesAttention):
     @classmethod
     def register_with_transformers(cls, model_name_or_path, core_attn_implementation, sequence_parallel_size,
                                    micro_batch_size, seq_length=None, seq_length_is_variable=True,
-                                   disable_in_eval=False, max_length=None, *, mesh=None, scope="global"):
+                                   disable_in_eval=False, max_length=None, *, mesh=None, scope="global",
+                                   ring_size=None):
         """See :func:`register_with_transformers` (returns the ``mpu``)."""
         return register_with_transformers(model_name_or_path, core_attn_implementation, sequence_parallel_size,
                                           micro_batch_size, seq_length, seq_length_is_variable, disable_in_eval,
-                                          max_length, mesh=mesh, scope=scope)
+                                          max_length, mesh=mesh, scope=scope, ring_size=ring_size)
 
 
 class _Served:
@@ -243,7 +247,7 @@ def _check_matching_core(holder, core: str) -> None:
 def register_with_transformers(model_name_or_path, core_attn_implementation, sequence_parallel_size,
                                micro_batch_size, seq_length=None, seq_length_is_variable=True,
                                disable_in_eval=False, max_length=None, *, mesh: Mesh | None = None,
-                               scope: str = "global"):
+                               scope: str = "global", ring_size=None):
     """Make attention run Ulysses SP; returns the ``mpu`` for ``deepspeed.initialize(mpu=...)`` (None when
     sequence_parallel_size is 1).
 
@@ -253,6 +257,8 @@ def register_with_transformers(model_name_or_path, core_attn_implementation, seq
     ``nn.Module``), whose attention is switched to the core. ``mesh`` reuses an existing
     :class:`~ds_ulysses.distributed.mesh.Mesh`. ``max_length`` is DeepSpeed's deprecated name for
     ``seq_length``, used (with a warning) where ``seq_length`` is not given, as DeepSpeed does.
+    ``ring_size`` (an int or ``"auto"``; None: the mesh's, else 1) spreads the sequence over a ring of Ulysses
+    groups, so sequence_parallel_size may exceed the heads (:mod:`ds_ulysses.sp.ring`).
     """
     if sequence_parallel_size == 1:
         return None
@@ -291,12 +297,21 @@ def register_with_transformers(model_name_or_path, core_attn_implementation, seq
     if loaded and scope == "global":
         _check_matching_core(model_name_or_path, core_attn_implementation)
     if mesh is None:
-        mesh = build_mesh(sequence_parallel_size)
+        mesh = build_mesh(sequence_parallel_size,
+                          ring_size=resolve_ring(config, 1 if ring_size is None else ring_size, sequence_parallel_size))
     elif mesh.sp != sequence_parallel_size:
         raise ValueError(f"mesh has sp={mesh.sp} but sequence_parallel_size={sequence_parallel_size}; make them equal")
+    elif ring_size is not None and resolve_ring(config, ring_size, mesh.sp) != mesh.ring_size:
+        raise ValueError(f"mesh has ring_size={mesh.ring_size} but ring_size={ring_size!r} was given; expected one "
+                         "ring; fix: make them equal, or give only the mesh")
+    ring = None
+    if mesh.ring_size > 1:
+        resolve_ring(config, mesh.ring_size, mesh.sp)
+        ring = RingCore(mesh.ring_group, mesh.ring_size, mesh.ring_rank, core_attn_implementation,
+                        watch=mesh.sp_watch)
     dispatch = _dispatch(core_attn_implementation)
     uattn = _wrapper(dispatch.attention, config, core_attn_implementation, mesh, micro_batch_size, seq_length,
-                     seq_length_is_variable, disable_in_eval)
+                     seq_length_is_variable, disable_in_eval, ring)
     PATCHES.on_undo(uattn.retire, _TAG)
     if scope == "model":
         _serve_model(dispatch, module, uattn)
@@ -322,15 +337,26 @@ def _check_causal(model) -> None:
             "without sequence parallelism")
 
 
-def _wrapper(core_fn, config, core, mesh, micro_batch_size, seq_length, seq_length_is_variable, disable_in_eval):
+def resolve_ring(config, ring_size, sequence_parallel_size: int) -> int:
+    """``ring_size`` (an int or ``"auto"``) checked against the model's query heads; "auto" keeps the Ulysses
+    degree within a node of ``LOCAL_WORLD_SIZE`` ranks (set by torchrun and DeepSpeed's launcher) when known."""
+    node = os.environ.get("LOCAL_WORLD_SIZE")
+    heads = config_value(text_config(config), "num_attention_heads")
+    return resolve_ring_size(ring_size, sequence_parallel_size, [heads], int(node) if node else None)
+
+
+def _wrapper(core_fn, config, core, mesh, micro_batch_size, seq_length, seq_length_is_variable, disable_in_eval,
+             ring=None):
     text = text_config(config)
     heads = config_value(text, "num_attention_heads")
     head_dim = config_value(text, "head_dim") or config_value(text, "hidden_size") // heads
     local = None if seq_length is None else seq_length // mesh.sp
+    # the attention's own length check sees its Ulysses group's block: seq_length / ring_size tokens
+    block = None if seq_length is None else seq_length // mesh.ring_size
     return UlyssesSPAttentionHF(
         core_fn, micro_batch_size, heads, head_dim, config_value(text, "num_key_value_heads") or heads,
-        config_value(text, "num_hidden_layers"), mesh.sp_group, seq_length_is_variable, local, seq_length,
-        disable_in_eval, core, watch=mesh.sp_watch, sliding_layers=sliding_layers(config))
+        config_value(text, "num_hidden_layers"), mesh.ulysses_group, seq_length_is_variable, local, block,
+        disable_in_eval, core, watch=mesh.sp_watch, sliding_layers=sliding_layers(config), ring=ring)
 
 
 def _serve_model(dispatch: _Dispatch, model, uattn) -> None:

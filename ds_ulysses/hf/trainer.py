@@ -132,6 +132,12 @@ def reconcile(accelerator) -> None:
     pc = accelerator.state.parallelism_config
     if section is None and (pc is None or pc.sp_size <= 1):
         return
+    if section is not None and section.ring_size != 1:
+        raise ValueError(
+            f"ulysses.ring_size={section.ring_size!r} under Accelerate or Transformers' Trainer: they register SP and "
+            "wrap the loader through DeepSpeed's calls, which carry no ring, so the ring's mesh and head-tail data "
+            "layout would not be set up; expected ring_size 1 here; fix: set ring_size to 1 (sp within the model's "
+            "query heads), or train with ds_ulysses.initialize, which serves ring_size > 1")
     merged = _merge(section, pc)
     if section is None:  # DeepSpeed's switch: in the user's own loop the model's outputs and steps are DeepSpeed's
         merged = dataclasses.replace(merged, model_loss=False, trim_host_heap=False,

@@ -86,7 +86,7 @@ class UlyssesAttention(ProcessLocal, torch.nn.Module):
                  seq_length_is_variable: bool = False, local_seq_length: int | None = None,
                  global_seq_length: int | None = None, disable_in_eval: bool = False,
                  core_attn_implementation: str = "sdpa", *, watch: GroupWatch | None = None,
-                 sliding_layers: frozenset = frozenset()) -> None:
+                 sliding_layers: frozenset = frozenset(), ring=None) -> None:
         super().__init__()
         core_kind(core_attn_implementation)
         self.attn = attn
@@ -108,6 +108,7 @@ class UlyssesAttention(ProcessLocal, torch.nn.Module):
         plan_heads(attn_head_count, kv_head_count, self.world_size)  # the config's layout must be servable
         self.watch = watch if watch is not None else GroupWatch.of_group(process_group)
         self.sliding_layers = sliding_layers  # layer_idx of layers whose window must arrive as a kwarg
+        self.ring = ring  # a RingCore (ds_ulysses.sp.ring) in the core's place when the mesh has a ring
         # the PositionCheck of the model call itself, set per forward by the hook registration adds:
         # HF decoders invent local arange positions when none are given (silently wrong under SP),
         # and fail in RoPE before attention on a mis-shaped tensor (the hook swaps in a stand-in)
@@ -135,7 +136,7 @@ class UlyssesAttention(ProcessLocal, torch.nn.Module):
     def serves(self, module) -> bool:
         """Whether a call from ``module`` runs SP: on more than one rank, unless ``disable_in_eval`` holds in eval
         mode for an input that is not a sequence shard (whole evaluation samples)."""
-        return (self.world_size > 1 and not self.retired
+        return ((self.world_size > 1 or self.ring is not None) and not self.retired
                 and (module.training or not self.disable_in_eval or self.shard_input))
 
     def retire(self) -> None:
@@ -239,7 +240,8 @@ class UlyssesAttention(ProcessLocal, torch.nn.Module):
             self.watch.reraise("the attention's q/k/v all-to-all", err)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
         kwargs["position_ids"] = state.positions
-        out, weights = self._core(module, q, k, v, state, self._plan(hc, hc_kv), *rest, **kwargs)  # [bs sl hc_l hs]
+        core = self._core if self.ring is None else self.ring
+        out, weights = core(module, q, k, v, state, self._plan(hc, hc_kv), *rest, **kwargs)  # [bs sl hc_l hs]
         if state.left_padding is not None:  # a pad query attends to no key: zero, as without SP
             out = out.masked_fill(state.left_padding[:, :, None, None], 0)
         # [bs sl hc_l hs] -> all-to-all -> [bs sl_l hc hs]

@@ -4,6 +4,11 @@ Dimension legend::
 
     bs  batch   sl  sequence length (padded to a multiple of ws)   sl_l = sl / ws   ws  SP world size
 
+With a ring (``ring_size > 1``) each sample is laid out head-tail at ring granularity after its labels are
+shifted and it is padded (:func:`ds_ulysses.distributed.ring.head_tail_order`), so that the group's contiguous
+shards give every ring rank an equal share of the causal work; a sum over tokens (the loss) does not see the
+order, and :func:`~ds_ulysses.distributed.ring.natural_order` brings gathered per-token outputs back.
+
 Each rank draws one batch from its own loader; the SP group then processes those ws batches one
 after the other, each sharded over the group. A refill is one all-to-all: rank ``r`` sends peer
 ``p`` the ``p``-th sequence shard of its batch, so a rank receives ``sl`` tokens per tensor (its
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from collections import deque
 from collections.abc import Mapping
 
@@ -29,6 +35,7 @@ import torch.distributed as dist
 
 from ..constants import IGNORE_INDEX
 from ..distributed.collectives import all_gather_bytes, collective_device
+from ..distributed.ring import head_tail_order
 from ..distributed.watch import GroupWatch
 from .batch_check import VARLEN_KEYS, check_batch, first_error, is_int_tensor
 from .packed import find_documents
@@ -38,7 +45,7 @@ __all__ = ["UlyssesSPDataLoaderAdapter", "prepare_sample"]
 
 
 def prepare_sample(batch: dict, sp_world_size: int, pad_to_multiple: bool = True, pad_token_id: int = 0,
-                   vocab_size: int | None = None) -> dict:
+                   vocab_size: int | None = None, *, ring_size: int = 1) -> dict:
     """Check the batch, shift labels, add missing position_ids, pad to a multiple of ``sp_world_size``.
 
     ``labels`` become ``shift_labels`` (left by one, ``-100`` appended) before padding, so the
@@ -47,7 +54,9 @@ def prepare_sample(batch: dict, sp_world_size: int, pad_to_multiple: bool = True
     attention mask (one is added when the batch has none), so what counts tokens (a MoE router's loss)
     does not count them.
     With ``vocab_size``, token ids and labels are range-checked here, where the sample is known,
-    rather than failing inside an embedding or the loss on one rank.
+    rather than failing inside an embedding or the loss on one rank. With ``ring_size > 1`` the multiple is
+    also one of ``2 * ring_size`` (head and tail chunks per ring rank), and every tensor's sequence dim is then
+    put in head-tail order, position_ids and masks with the tokens, shifted labels with their tokens.
     """
     batch = varlen_as_positions(batch)
     check_batch(batch, vocab_size)
@@ -58,11 +67,13 @@ def prepare_sample(batch: dict, sp_world_size: int, pad_to_multiple: bool = True
     if "labels" in batch:
         labels = batch.pop("labels")
         batch["shift_labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    pad = -sl % sp_world_size
+    multiple = sp_world_size if ring_size == 1 else math.lcm(sp_world_size, 2 * ring_size)
+    pad = -sl % multiple
     if pad and not pad_to_multiple:
+        ring = "" if ring_size == 1 else f" x 2 x ring_size={ring_size} (head-tail chunks), i.e. {multiple}"
         raise ValueError(
-            f"sequence length {sl} is not divisible by sequence_parallel_size={sp_world_size}; "
-            f"pad every sample to a multiple of {sp_world_size} (e.g. {sl + pad} tokens), or set "
+            f"sequence length {sl} is not divisible by sequence_parallel_size={sp_world_size}{ring}; "
+            f"pad every sample to a multiple of {multiple} (e.g. {sl + pad} tokens), or set "
             "\"pad_to_multiple\": true in the ulysses section")
     if pad:
         if "attention_mask" not in batch:
@@ -77,6 +88,9 @@ def prepare_sample(batch: dict, sp_world_size: int, pad_to_multiple: bool = True
             fill = {"input_ids": pad_token_id, "shift_labels": IGNORE_INDEX}.get(key, 0)
             tail = value.new_full((value.shape[0], pad, *value.shape[2:]), fill)
             batch[key] = torch.cat([value, tail], dim=1)
+    if ring_size > 1:
+        order = head_tail_order(sl + pad, ring_size)  # [sl]
+        batch = {k: v[:, order] if torch.is_tensor(v) else v for k, v in batch.items()}
     return batch
 
 
@@ -137,15 +151,17 @@ class UlyssesSPDataLoaderAdapter:
     ``len()`` is ``len(dl) * sp_world_size``; micro-batch ``k`` of a refill is SP rank ``k``'s batch,
     sharded on dim 1; tensor shards are on CPU, non-tensor entries are copied unchanged. Beyond
     DeepSpeed's: ranks may draw samples of different lengths, any length is padded to a multiple of
-    sp (``pad_to_multiple``), and missing position_ids are generated. ``vocab_size`` range-checks
+    sp (``pad_to_multiple``), and missing position_ids are generated. ``ring_size`` (the mesh's) lays each
+    sample out head-tail for the ring attention (:func:`prepare_sample`). ``vocab_size`` range-checks
     token ids and labels at refill; ``watch`` (the mesh's ``sp_watch``) names the group and step if
     an exchange fails. A bad batch on any rank raises the same error on every rank.
     """
 
     def __init__(self, dl, sp_rank: int, sp_group, sp_world_size: int, device,
                  *, pad_to_multiple: bool = True, pad_token_id: int = 0, vocab_size: int | None = None,
-                 watch: GroupWatch | None = None):
+                 watch: GroupWatch | None = None, ring_size: int = 1):
         self.dl = dl
+        self.ring_size = ring_size
         self.sp_rank, self.sp_group, self.sp_world_size = sp_rank, sp_group, sp_world_size
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.pad_to_multiple, self.pad_token_id, self.vocab_size = pad_to_multiple, pad_token_id, vocab_size
@@ -200,7 +216,7 @@ class UlyssesSPDataLoaderAdapter:
         if batch is not None:
             try:
                 batch = prepare_sample(batch, self.sp_world_size, self.pad_to_multiple, self.pad_token_id,
-                                       self.vocab_size)
+                                       self.vocab_size, ring_size=self.ring_size)
             except ValueError as err:
                 if self.sp_world_size == 1:
                     raise

@@ -34,7 +34,8 @@ def plan_heads(num_heads: int, num_kv_heads: int, world_size: int) -> HeadPlan:
     if world_size > num_heads:
         raise ValueError(
             f"sequence_parallel_size={world_size} exceeds the model's {num_heads} attention heads; "
-            f"Ulysses gives every SP rank at least one head, so use sequence_parallel_size <= {num_heads}")
+            f"Ulysses gives every SP rank at least one head, so use sequence_parallel_size <= {num_heads}, or a "
+            f"ring_size that makes sequence_parallel_size / ring_size <= {num_heads}")
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(
             f"attention layout not servable: {num_heads} query heads are not a multiple of "
@@ -53,3 +54,4 @@ def plan_heads(num_heads: int, num_kv_heads: int, world_size: int) -> HeadPlan:
             kv_heads.append(tuple(h // group for h in mine))
         q_heads.append(mine)
     return HeadPlan(tuple(q_heads), tuple(kv_heads))
+

@@ -161,7 +161,7 @@ def evaluate_positions(model, samples, mesh: Mesh | None = None, buckets: int | 
     sampler = DistributedSampler(samples, num_replicas=mesh.world_size, rank=mesh.rank, shuffle=False)
     loader = UlyssesSPDataLoaderAdapter(DataLoader(samples, batch_size=1, sampler=sampler), mesh.sp_rank,
                                         mesh.sp_group, mesh.sp, collective_device(mesh.sp_group),
-                                        pad_token_id=pad_token_id)
+                                        pad_token_id=pad_token_id, ring_size=mesh.ring_size)
     sums = torch.zeros(nb, dtype=torch.float64)
     counts = torch.zeros(nb, dtype=torch.int64)
     transform = logits_transform(model, zero3_whole)

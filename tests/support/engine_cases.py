@@ -51,7 +51,8 @@ def dataset(n: int, length: int) -> list[dict]:
 
 
 def engine_vs_reference(rank: int, world_size: int, config: dict, via_install: bool = False,
-                        family: str = "llama", length: int = 24, mesh_param=None, extra: dict | None = None) -> dict:
+                        family: str = "llama", length: int = 24, mesh_param=None, extra: dict | None = None,
+                        heads: int = 4, kv_heads: int = 2) -> dict:
     """First step: per-rank loss vs its SP group's unsharded sample; full grads vs the DP mean.
     ``extra`` goes into the model config (a logits transform, say). With plain SGD in the config, the
     step's update is compared too, with the unsharded gradient clipped by torch at the config's
@@ -61,7 +62,7 @@ def engine_vs_reference(rank: int, world_size: int, config: dict, via_install: b
 
     import ds_ulysses
 
-    cfg = tiny_config(family, heads=4, kv_heads=2, **(extra or {}))
+    cfg = tiny_config(family, heads=heads, kv_heads=kv_heads, **(extra or {}))
     model = tiny_model(cfg)
     ref = copy.deepcopy(model)
     data = dataset(2 * world_size, length)

@@ -8,8 +8,8 @@ import pytest
 
 from ds_ulysses import cli
 from ds_ulysses.config import UlyssesConfig, parse_ds_config
-from ds_ulysses.planner import (GIB, KNOWN_MODELS, Setup, breakdown, load_dims, max_seq_len, recommend,
-                                ulysses_section)
+from ds_ulysses.planner import (GIB, KNOWN_MODELS, Setup, breakdown, layer_traffic, load_dims, max_seq_len,
+                                recommend, ulysses_section)
 
 LLAMA8B = KNOWN_MODELS["llama-3.1-8b"]
 
@@ -112,3 +112,30 @@ def test_unknown_model_and_impossible_plan_exit_codes(capsys):
     assert cli.main(["plan", "--model", "no-such-model", "--seq-len", "4K", "--gpus", "1", "--gpu-mem", "80"]) == 2
     assert cli.main(["plan", "--model", "llama-3.1-8b", "--seq-len", "100M", "--gpus", "1", "--gpu-mem", "80"]) == 1
     assert "nothing fits" in capsys.readouterr().err
+
+
+def test_past_the_heads_the_plan_takes_the_smallest_ring_within_a_node(capsys):
+    # Llama-3.1-8B has 32 heads: 20M tokens need every one of 64 GPUs, so sp 64 = Ulysses 8 (a node) x ring 8
+    setup = recommend(LLAMA8B, 20_000_000, 64, 80 * GIB)
+    assert (setup.sp, setup.ring) == (64, 8)
+    assert UlyssesConfig.from_dict(ulysses_section(setup)).ring_size == 8
+    assert recommend(LLAMA8B, 2048, 64, 80 * GIB).ring == 1  # within the heads: Ulysses alone
+    assert max_seq_len(LLAMA8B, 64, 80 * GIB)[0] > max_seq_len(LLAMA8B, 32, 80 * GIB)[0] * 1.5
+    assert cli.main(["plan", "--model", "llama-3.1-8b", "--seq-len", "20M", "--gpus", "64", "--gpu-mem", "80"]) == 0
+    assert "sp = Ulysses 8 x ring 8; sent per layer and rank" in capsys.readouterr().out
+
+
+def test_layer_traffic_counts_what_leaves_a_rank():
+    dims = KNOWN_MODELS["ds-ulysses-bench"]  # 8 heads, 2 KV heads, head size 32
+    b, s = 2, 4096
+    # Ulysses 4: q, k, v, out (8 + 4 + 4 + 8 heads: each KV head goes to 2 ranks) of S/4 tokens, 3/4 of each sent,
+    # forward and backward; benchmarks/ring_layouts.py counted the same bytes (fp32, S 1024) on 4 gloo ranks
+    assert layer_traffic(dims, Setup(s, 4, 4)) == {"ulysses": 2 * (s / 4) * 32 * 24 * 3 / 4 * b, "ring": 0.0}
+    assert layer_traffic(dims, Setup(1024, 4, 4, act_bytes=4))["ulysses"] == 1179648
+    # Ulysses 2 x ring 2: each rank's K/V block is 1 KV head x S/2 tokens; 1 send forward, 1 back, 2 fp32 grads
+    block = 2 * 1 * (s / 2) * 32
+    assert layer_traffic(dims, Setup(s, 4, 4, ring=2)) == {"ulysses": 2 * (s / 4) * 32 * 20 / 2 * b,
+                                                           "ring": 2 * block * b + 2 * block * 4}
+    assert layer_traffic(dims, Setup(s, 4, 4, ring=4))["ulysses"] == 0.0
+    assert [layer_traffic(dims, Setup(1024, 4, 4, act_bytes=4, ring=r))["ring"] for r in (2, 4)] == [524288, 1310720]
+    assert breakdown(dims, Setup(s, 4, 4, ring=2))["ring blocks in flight"][0] > 0

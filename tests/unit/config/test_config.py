@@ -22,7 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ds_ulysses.config import (ActivationCheckpointOffloadConfig, TiledLossConfig, TiledMLPConfig, UlyssesConfig,
-                               UlyssesConfigError, load_schema, parse_ds_config, section as config_module)
+                               UlyssesConfigError, load_schema, parse_ds_config, resolve_ring_size,
+                               section as config_module)
 from tests.support import REPO
 
 SCHEMA = load_schema()
@@ -163,7 +164,7 @@ INVALID = [
     ("unknown key with suggestion", {"sequence_paralel_size": 2},
      ["ulysses.sequence_paralel_size: unknown field; did you mean 'sequence_parallel_size'?"]),
     ("unknown key without a near match", {"zzz": 1},
-     ["ulysses.zzz: unknown field; allowed fields: sequence_parallel_size, mesh_param"]),
+     ["ulysses.zzz: unknown field; allowed fields: sequence_parallel_size, ring_size, mesh_param"]),
     ("unknown nested key", {"tiled_mlp": {"enable": True}},
      ["ulysses.tiled_mlp.enable: unknown field; did you mean 'enabled'?"]),
     ("wrong type", {"sequence_parallel_size": "4"},
@@ -181,6 +182,15 @@ INVALID = [
     ("mesh_param/sp disagreement", {"mesh_param": [2, 4], "sequence_parallel_size": 2},
      ["ulysses.mesh_param: expected its sp (second entry) to equal sequence_parallel_size=2, "
       "got [2, 4]"]),
+    ("ring_size not a divisor of sp", {"sequence_parallel_size": 6, "ring_size": 4},
+     ["ulysses.ring_size: expected a divisor of sp=6", "got 4", "use one of [1, 2, 3, 6], or \"auto\""]),
+    ("ring_size not a divisor of mesh_param's sp", {"mesh_param": [1, 4], "ring_size": 3},
+     ["ulysses.ring_size: expected a divisor of sp=4", "got 3"]),
+    ("seq_length not a multiple of the ring's chunks",
+     {"sequence_parallel_size": 4, "ring_size": 4, "seq_length_is_variable": False, "seq_length": 36},
+     ["ulysses.seq_length: expected a multiple of lcm(sp=4, 2 x ring_size=4) = 8", "got 36", "use 32 or 40"]),
+    ("ring_size 0", {"ring_size": 0}, ['ulysses.ring_size: expected "auto" or an integer >= 1, got 0']),
+    ("ring_size word", {"ring_size": "max"}, ['ulysses.ring_size: expected "auto" or an integer >= 1, got "max"']),
     ("eager attention", {"attn_implementation": "eager"},
      ["ulysses.attn_implementation: expected one of \"sdpa\"",
       "eager needs a full S x S attention mask", 'use "sdpa" instead']),
@@ -511,3 +521,32 @@ def test_random_values_below_a_minimum_are_rejected_naming_the_field(name, below
     with pytest.raises(UlyssesConfigError) as info:
         UlyssesConfig.from_dict({name: value})
     assert any(e.startswith(f"ulysses.{name}: expected ") for e in info.value.errors), info.value.errors
+
+
+@pytest.mark.parametrize("ring", [1, 2, 4, "auto"])
+def test_ring_size_is_typed_and_round_trips(ring):
+    cfg = UlyssesConfig.from_dict({"sequence_parallel_size": 4, "ring_size": ring})
+    assert cfg.ring_size == ring and UlyssesConfig.from_dict(cfg.to_dict()) == cfg
+    assert UlyssesConfig.from_dict({}).ring_size == 1
+
+
+@pytest.mark.parametrize("ring,sp,heads,node,expected", [
+    (1, 4, [8], None, 1), (2, 4, [2], None, 2), (4, 4, [2], None, 4),
+    ("auto", 4, [8], None, 1), ("auto", 8, [2, 4], None, 4), ("auto", 6, [4], None, 2),
+    ("auto", 16, [32], 8, 2), ("auto", 16, [4], 8, 4), ("auto", 8, [1], None, 8)])
+def test_ring_size_resolves_to_a_divisor_that_fits_the_heads(ring, sp, heads, node, expected):
+    assert resolve_ring_size(ring, sp, heads, node) == expected
+
+
+def test_ring_size_too_small_names_the_smallest_that_works():
+    with pytest.raises(ValueError, match=r"Ulysses degree of sequence_parallel_size / ring_size = 4, more than the "
+                                         r"model's 2 query heads.*fix: set ring_size to 2 \(the smallest"):
+        resolve_ring_size(1, 4, [2, 8], None)
+    with pytest.raises(ValueError, match=r"fix: set ring_size to 3 \(the smallest"):
+        resolve_ring_size(1, 6, [2], None)
+
+
+@pytest.mark.parametrize("ring", [3, 0, True, "2"])
+def test_ring_size_not_a_divisor_is_refused(ring):
+    with pytest.raises(ValueError, match=r"ring_size: expected \"auto\" or a divisor of sequence_parallel_size=4"):
+        resolve_ring_size(ring, 4, [8], None)

@@ -91,3 +91,39 @@ def test_meshes_of_one_world_share_their_process_groups(tmp_path):
     # torch keeps every group until the world goes: a new set per setup piled up groups and gloo threads
     for res in run_distributed(_meshes_share_groups, 2, str(tmp_path / "store")):
         assert res == {"shared": [True] * 3, "other_timeout": True, "renewed": True, "sum": 2.0}
+
+
+def _ring_groups(rank, world_size, dp, sp, ring):
+    mesh = Mesh(dp, sp, ring_size=ring)
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total, group=mesh.ring_group)
+    return {"sp": dist.get_process_group_ranks(mesh.sp_group), "dp": dist.get_process_group_ranks(mesh.dp_group),
+            "ulysses": dist.get_process_group_ranks(mesh.ulysses_group), "ring": mesh.ring_ranks,
+            "ring_group": dist.get_process_group_ranks(mesh.ring_group), "ring_sum": total.item(),
+            "ranks": (mesh.dp_rank, mesh.sp_rank, mesh.ring_rank, mesh.ulysses_rank),
+            "mpu": (mesh.get_data_parallel_world_size(), mesh.get_sequence_parallel_world_size(),
+                    mesh.get_sequence_data_parallel_world_size(), mesh.get_sequence_parallel_rank())}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp,sp,ring,ulysses,rings", [
+    (1, 4, 2, [[0, 1], [0, 1], [2, 3], [2, 3]], [[0, 2], [1, 3], [0, 2], [1, 3]]),
+    (1, 4, 4, [[0], [1], [2], [3]], [[0, 1, 2, 3]] * 4),
+    (2, 2, 2, [[0], [1], [2], [3]], [[0, 1], [0, 1], [2, 3], [2, 3]])])
+def test_the_ring_runs_across_contiguous_ulysses_blocks_inside_each_sp_row(dp, sp, ring, ulysses, rings):
+    results = run_distributed(_ring_groups, 4, dp, sp, ring)
+    for rank, res in enumerate(results):
+        row, sp_rank = divmod(rank, sp)
+        u = sp // ring
+        assert res["sp"] == list(range(row * sp, (row + 1) * sp))  # the SP group keeps its meaning
+        assert res["dp"] == list(range(sp_rank, 4, sp))
+        assert res["ulysses"] == ulysses[rank] and res["ring"] == res["ring_group"] == rings[rank]
+        assert res["ring_sum"] == sum(res["ring"])
+        assert res["ranks"] == (row, sp_rank, sp_rank // u, sp_rank % u)
+        assert res["mpu"] == (dp, sp, 4, sp_rank)
+
+
+@pytest.mark.parametrize("ring", [3, 0, True])
+def test_a_ring_that_does_not_divide_sp_is_refused(ring):
+    with pytest.raises(ValueError, match=r"ring_size: expected a divisor of sp=1"):
+        Mesh(1, 1, ring_size=ring)

@@ -114,6 +114,12 @@ def test_parallelism_config_alone_gives_deepspeed_s_outputs_in_a_user_s_loop_and
         serve_the_trainer_s_loss(accelerator)
 
 
+def test_a_ring_under_accelerate_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"ulysses.ring_size=2 under Accelerate or Transformers' Trainer.*fix: set "
+                                         r"ring_size to 1 .*or train with ds_ulysses.initialize"):
+        _reconciled({"ulysses": {"sequence_parallel_size": 4, "ring_size": 2}}, _pc(4))
+
+
 class _Outputs:
     def __init__(self, loss):
         self.loss = loss

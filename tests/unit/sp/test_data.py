@@ -6,6 +6,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from ds_ulysses.sp.batch_check import check_batch
+from ds_ulysses.distributed.ring import natural_order
 from ds_ulysses.sp.data import UlyssesSPDataLoaderAdapter, prepare_sample
 from tests.support.distributed import AllToAllBytes, run_distributed
 from tests.support.models import VOCAB
@@ -73,6 +74,24 @@ def test_prepare_sample_pads_to_multiple_and_keeps_loss_mask():
     assert out["shift_labels"].tolist() == [[6, 7, 8, 9, -100, -100, -100, -100]]
     assert out["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 6, 7]]
     assert out["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0, 0, 0]]  # what counts tokens skips the padding
+
+
+def test_a_ring_lays_the_shifted_padded_sample_out_head_tail():
+    # sp 2 = ulysses 1 x ring 2: 5 tokens pad to 8 (2 x ring), then chunks [0 1] [6 7] | [2 3] [4 5]
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    out = prepare_sample({"input_ids": ids, "labels": ids}, 2, ring_size=2)
+    assert out["input_ids"].tolist() == [[5, 6, 0, 0, 7, 8, 9, 0]]
+    assert out["shift_labels"].tolist() == [[6, 7, -100, -100, 8, 9, -100, -100]]  # shifted before reordering
+    assert out["position_ids"].tolist() == [[0, 1, 6, 7, 2, 3, 4, 5]]
+    assert out["attention_mask"].tolist() == [[1, 1, 0, 0, 1, 1, 1, 0]]
+    # sp 6 = ulysses 3 x ring 2: the multiple is lcm(6, 4) = 12; natural_order undoes the layout
+    plain = prepare_sample({"input_ids": torch.arange(10).view(1, 10)}, 6)
+    ring = prepare_sample({"input_ids": torch.arange(10).view(1, 10)}, 6, ring_size=2)
+    assert ring["input_ids"].shape == (1, 12) and plain["input_ids"].shape == (1, 12)
+    assert torch.equal(ring["input_ids"][:, natural_order(12, 2)], plain["input_ids"])
+    with pytest.raises(ValueError, match=r"not divisible by sequence_parallel_size=2 x 2 x ring_size=2 "
+                                         r"\(head-tail chunks\), i.e. 4; pad every sample to a multiple of 4"):
+        prepare_sample({"input_ids": torch.ones(1, 6, dtype=torch.long)}, 2, pad_to_multiple=False, ring_size=2)
 
 
 def test_prepare_sample_generates_position_ids():

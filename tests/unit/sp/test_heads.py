@@ -25,3 +25,4 @@ def test_head_plan_covers_every_query_head_once_with_its_kv_head(heads, kv, ws):
         rep = plan.kv_groups(r)
         for i, h in enumerate(plan.q_heads[r]):
             assert plan.kv_heads[r][i // rep] == h // group  # the core's GQA mapping reads the right KV head
+

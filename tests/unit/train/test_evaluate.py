@@ -47,11 +47,11 @@ def _reference(buckets) -> tuple[torch.Tensor, torch.Tensor]:
     return sums, counts
 
 
-def _sp_rank(rank, world_size):
+def _sp_rank(rank, world_size, ring=1):
     from ds_ulysses import register_with_transformers
     from ds_ulysses.distributed.mesh import Mesh
 
-    mesh = Mesh(1, world_size)
+    mesh = Mesh(1, world_size, ring_size=ring)
     model = _model()
     register_with_transformers(model, "sdpa", world_size, 1, mesh=mesh, scope="model")
     out = {}
@@ -61,8 +61,9 @@ def _sp_rank(rank, world_size):
     return out
 
 
-def test_sp2_equals_unsharded_reference():
-    results = run_distributed(_sp_rank, 2)
+@pytest.mark.parametrize("ring", [1, 2])  # 2: the sequence as a ring of two (head-tail shards)
+def test_sp2_equals_unsharded_reference(ring):
+    results = run_distributed(_sp_rank, 2, ring)
     for buckets in ("log2", BUCKET):
         ref_sums, ref_counts = _reference(buckets)
         for res in results:
