@@ -408,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
         from .tiled import run as run_tiled
 
         result = run_tiled(spec["op"], spec["seq_len"], spec["iters"], spec.get("model"))
+    elif spec.get("loop") == "breakdown":
+        from .breakdown import run as run_breakdown
+
+        result = run_breakdown(spec)
     elif spec.get("loop") == "trainer":
         from .trainer import run as run_trainer
 

@@ -1,0 +1,437 @@
+"""``python -m benchmarks.breakdown``: what a training step holds at its peak, tensor by tensor, for DeepSpeed's
+ALST recipe and ours, at several lengths; the per-token slope and the fitted terms the planner uses.
+
+Dimension legend::
+
+    S  global sequence length   sl_l = S / sp  tokens per rank   h  hidden   I  MLP intermediate   V  vocab
+    unit  one hidden-sized fp32 tensor of this rank's tokens: sl_l * h * 4 bytes
+
+How it measures (on CPU, where RSS mixes the allocator's caching with what is live): every tensor an aten op
+allocates during a measured step is tracked through a :class:`~torch.utils._python_dispatch.TorchDispatchMode`
+(an op's output whose storage is none of its inputs' is a fresh allocation) and untracked when its storage is
+freed (a weakref finalizer on the storage; torch keeps one Python object per storage, so the finalizer runs
+exactly when the memory goes). The live bytes allocated since the step began are followed op by op; tensors
+that already existed at the step's start (weights, optimizer states, ZeRO's buffers) are not counted, so the
+figure is the step's own working memory, exact to the byte and free of allocator noise.
+
+The step is cut into *segments*, because the loss and the layers peak at different moments (their working
+sets do not add up): ``forward`` (embedding and decoder layers), ``loss`` (from the decoder's output to the
+loss; our fused loss and DeepSpeed's TiledFusedLogitsLoss both do their backward here), ``head backward``
+(backward before the first layer's recompute), ``layer i`` (layer i's recompute and backward, until the next
+layer's recompute starts) and ``step`` (the optimizer). Each segment's peak is kept with a snapshot of what was
+live then: which op in which module allocated it, in which segment, its shape. Each live tensor is then sorted
+into a *family* (:func:`classify`) by its shape, so that the counts carry over to other model sizes:
+
+- ``checkpoint``: a per-token tensor allocated in ``forward`` at a decoder layer's input (one per layer),
+- ``per token``: any other tensor with a dimension of sl_l or S tokens, counted in units,
+- ``mlp tile`` / ``loss tile``: ``[rows, I]`` / ``[rows, V]`` tensors, rows being the recipe's tile rows,
+  counted in tiles,
+- ``head weight``: ``[V, h]`` (the lm_head's gathered weight or its gradient), counted in such tensors,
+- ``fixed``: the rest (a layer's gathered weights, small buffers), in bytes.
+
+:func:`fit` turns a run's records into those counts per segment and recipe; ``ds_ulysses.planner`` holds the
+fitted counts with the record they came from (``MEASURED_TERMS``).
+
+Arms: ``deepspeed-alst`` (benchmarks.rank's ArcticTraining setup: DeepSpeed's TiledMLP, TiledFusedLogitsLoss,
+gradient checkpointing) and ``ours`` with the section's ALST switches (``tiled_mlp`` and
+``activation_checkpoint_offload`` on, ``tiled_loss`` on by default); ``--tiled-attention N`` adds
+``ours[tiled_attention]`` with ``"tiled_attention": {"enabled": true, "shards": N}`` on top (passed through as
+given: it runs once the section has that field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["LiveTensors", "ALST_SECTION", "LLAMA8B_SHAPED", "tile_rows", "classify", "run", "run_breakdown",
+           "fit", "slopes", "format_breakdown", "main"]
+
+ALST_SECTION = {"tiled_mlp": {"enabled": True}, "activation_checkpoint_offload": {"enabled": True}}
+# Llama-3.1-8B's per-layer proportions (h : I : kv : V) scaled down to a CPU: issue 67's model
+LLAMA8B_SHAPED = {"vocab": 32000, "hidden": 1024, "intermediate": 3584, "layers": 2, "heads": 8, "kv_heads": 2}
+RECIPES = ("ours", "deepspeed-alst")
+ARCTIC_LOGITS_TILE_BYTES = 1 << 30  # benchmarks.rank.ARCTIC_LOGITS_TILE_GIB
+
+
+def tile_rows(recipe: str, local: int, hidden: int, vocab: int) -> tuple[int, int]:
+    """(MLP tile rows, loss tile rows) of one recipe at ``local`` tokens per rank: ours from the section's
+    "auto" rules, DeepSpeed's from its recipe (``ceil(sl_l / h)`` MLP tiles, about 1 GiB of fp32 logits a
+    loss tile)."""
+    from ds_ulysses.memory.tiles import auto_loss_shards, auto_mlp_shards
+
+    if recipe == "ours":
+        mlp, loss = auto_mlp_shards(local, hidden), auto_loss_shards(local, vocab)
+    else:
+        mlp, loss = math.ceil(local / hidden), max(1, math.ceil(local * vocab * 4 / ARCTIC_LOGITS_TILE_BYTES))
+    return math.ceil(local / mlp), math.ceil(local / loss)
+
+
+class LiveTensors(TorchDispatchMode):
+    """Live bytes of the tensors allocated while it is active, with each segment's peak and what was live then.
+
+    ``segment`` is set from outside (the step loop and module hooks); ``where`` is the innermost module running
+    (its qualified name), or in backward the autograd node that allocated.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.modules: list[str] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything tracked (a new step)."""
+        self.live: dict[int, tuple] = {}  # storage address -> (bytes, shape, dtype, segment, where, op)
+        self.total = 0
+        self.segment = "setup"
+        self.peaks: dict[str, tuple[int, list]] = {}
+        self._rising = False
+
+    def set_segment(self, name: str) -> None:
+        self._settle()
+        self.segment = name
+
+    def _settle(self) -> None:
+        """Snapshot the live set when the total stops rising at a new high for its segment."""
+        if self._rising:
+            self._rising = False
+            best = self.peaks.get(self.segment, (-1, None))[0]
+            if self.total > best:
+                self.peaks[self.segment] = (self.total, list(self.live.values()))
+
+    def _free(self, key: int, nbytes: int) -> None:
+        if self.live.pop(key, None) is not None:
+            self._settle()
+            self.total -= nbytes
+
+    def _where(self) -> str:
+        if self.modules:
+            return self.modules[-1]
+        node = torch._C._current_autograd_node()
+        return f"autograd {node.name()}" if node is not None else "-"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or key in inputs or key in self.live:
+                continue
+            self.live[key] = (nbytes, tuple(t.shape), str(t.dtype).removeprefix("torch."), self.segment,
+                              self._where(), func.__name__)
+            self.total += nbytes
+            self._rising = True
+            weakref.finalize(storage, self._free, key, nbytes)
+        return out
+
+    def close(self) -> None:
+        self._settle()
+
+    def hook(self, model) -> list:
+        """Follow which module runs (every named submodule), and cut segments at the decoder's layers and at the
+        decoder's end. A layer's submodule running in backward is that layer's recompute (Transformers
+        checkpoints a layer's ``forward``, so the layer's own hooks stay outside and only its submodules' run
+        again)."""
+        handles = []
+        decoder = model.model
+        layer_of = {}
+        for i, layer in enumerate(decoder.layers):
+            layer_of.update({id(sub): i for sub in layer.modules()})
+
+        for name, module in model.named_modules():
+            def enter(mod, args, _name=name):
+                i = layer_of.get(id(mod))
+                if i is not None and self.segment not in ("forward", "loss", f"layer {i}"):
+                    self.set_segment(f"layer {i}")
+                self.modules.append(_name)
+
+            def leave(mod, args, out):
+                if self.modules:
+                    self.modules.pop()
+                if mod is decoder and self.segment == "forward":
+                    self.set_segment("loss")
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave, always_call=True))
+        return handles
+
+
+def classify(entry: tuple, local: int, seq_len: int, dims: dict, rows: tuple[int, int]) -> tuple[str, float]:
+    """(family, amount) of one live tensor (module docstring): amounts in units, tiles, ``[V, h]`` tensors or
+    bytes."""
+    nbytes, shape, _, segment, where, _ = entry
+    h, vocab, inter = dims["hidden"], dims["vocab"], dims["intermediate"]
+    mlp_rows, loss_rows = rows
+    unit = local * h * 4
+    numel_ok = len(shape) >= 2
+    if numel_ok and shape[-1] == inter and any(d in (mlp_rows, mlp_rows - 1) for d in shape[:-1]):
+        return "mlp tile", nbytes / (mlp_rows * inter * 4)
+    if numel_ok and shape[-1] == vocab and any(d in (loss_rows, loss_rows - 1) for d in shape[:-1]):
+        return "loss tile", nbytes / (loss_rows * vocab * 4)
+    if sorted(shape[-2:]) == sorted((vocab, h)):
+        return "head weight", nbytes / (vocab * h * 4)
+    if any(d in (local, seq_len) for d in shape):
+        if segment == "forward" and shape[-1] == h and (where.endswith("embed_tokens") or _layer_output(where)):
+            return "checkpoint", nbytes / unit
+        return "per token", nbytes / unit
+    return "fixed", float(nbytes)
+
+
+def _layer_output(where: str) -> bool:
+    """An allocation by a decoder layer itself (its residual add: the next layer's input), not a submodule's."""
+    parts = where.split(".")
+    return len(parts) >= 2 and parts[-2] == "layers" and parts[-1].isdigit()
+
+
+def run(spec: dict) -> dict:
+    """One rank: the recipe of benchmarks.rank, trained at each of ``spec["seq_lens"]`` (``warmup`` steps, then
+    ``steps`` measured under :class:`LiveTensors`); per length the segments' peaks and what was live then."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from . import rank as bench_rank
+    from .profile import Regions
+    from .tap import CollectiveTap
+
+    torch.set_num_threads(spec.get("threads", 1))
+    deepspeed.init_distributed(dist_backend="gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sp = spec["sp"]
+    dims = {**bench_rank.MODEL_DEFAULTS, **spec.get("model", {})}
+    per_len = sp * math.ceil((spec["warmup"] + spec["steps"]) / sp)  # whole refill cycles per length
+    data = []
+    for seq_len in spec["seq_lens"]:
+        data += bench_rank.make_dataset(world * per_len // sp, seq_len, dims["vocab"], seed=seq_len)
+    model = bench_rank.build_model(dims).train()
+    engine, loader, loss_fn = bench_rank.RECIPES[spec["impl"]](model, spec, data, CollectiveTap().install(),
+                                                               Regions())
+    recipe = "ours" if spec["impl"] == "ours" else "deepspeed-alst"
+    tracker = LiveTensors()
+    handles = tracker.hook(model)
+    lengths = []
+    for seq_len in spec["seq_lens"]:
+        local = seq_len // sp
+        rows = tile_rows(recipe, local, dims["hidden"], dims["vocab"])
+        steps = []
+        for i in range(per_len):
+            dist.barrier()
+            measured = i >= per_len - spec["steps"]
+            tracker.reset()
+            begin = time.perf_counter()
+            batch = next(loader)
+            if measured:
+                tracker.set_segment("forward")
+                tracker.__enter__()
+            try:
+                loss = loss_fn(engine, batch)
+                tracker.set_segment("head backward")
+                engine.backward(loss)
+                tracker.set_segment("step")
+                engine.step()
+            finally:
+                if measured:
+                    tracker.__exit__(None, None, None)
+            tracker.close()
+            if not measured:
+                continue
+            segments = {}
+            for name, (peak, live) in tracker.peaks.items():
+                families: dict[str, float] = {}
+                groups: dict[tuple, list] = {}
+                for entry in live:
+                    family, amount = classify(entry, local, seq_len, dims, rows)
+                    families[family] = families.get(family, 0.0) + amount
+                    key = (family, entry[3], entry[4], entry[5], entry[2], "x".join(map(str, entry[1])))
+                    groups.setdefault(key, [0, 0])
+                    groups[key][0] += 1
+                    groups[key][1] += entry[0]
+                segments[name] = {"peak": peak, "families": families,
+                                  "live": sorted(([*k, n, b] for k, (n, b) in groups.items()), key=lambda r: -r[-1])}
+            steps.append({"loss": float(loss.detach()), "seconds": time.perf_counter() - begin,
+                          "segments": segments})
+        lengths.append({"seq_len": seq_len, "local": local, "rows": rows, "steps": steps})
+    for handle in handles:
+        handle.remove()
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"rank": rank, "lengths": lengths}
+
+
+def run_breakdown(seq_lens, sps, arms: dict, out: Path, model: dict, warmup: int = 1, steps: int = 1,
+                  timeout: float = 3600.0, log=print) -> list[dict]:
+    """One launch per (arm, sp), each training every length; one record per launch appended to ``out``."""
+    from .bench import _workdir, launch, stamp
+
+    records = []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for sp in sps:
+        for name, (impl, section) in arms.items():
+            spec = {"impl": impl, "loop": "breakdown", "seq_len": max(seq_lens), "seq_lens": list(seq_lens),
+                    "sp": sp, "model": model, "section": section, "warmup": warmup, "steps": steps}
+            begin = time.monotonic()
+            record = {"kind": "breakdown", "name": name, **spec, **stamp()}
+            try:
+                record["ranks"] = launch(spec, sp, _workdir(), timeout)
+            except RuntimeError as exc:
+                record["error"] = str(exc)[-2000:]
+                log(f"{name} sp={sp}: FAILED ({str(exc).splitlines()[-1]})")
+            record["wall"] = time.monotonic() - begin
+            with open(out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if "error" not in record:
+                records.append(record)
+                log(f"{name} sp={sp}: {len(seq_lens)} lengths in {record['wall']:.0f}s")
+    return records
+
+
+def _step_of(record: dict, length_index: int) -> tuple[dict, dict]:
+    """The measured step of the rank with the largest peak at one length: (length entry, step)."""
+    best = None
+    for rank in record["ranks"]:
+        entry = rank["lengths"][length_index]
+        for step in entry["steps"]:
+            peak = max(seg["peak"] for seg in step["segments"].values())
+            if best is None or peak > best[0]:
+                best = (peak, entry, step)
+    return best[1], best[2]
+
+
+def _segment_kind(name: str) -> str:
+    return "layer" if name.startswith("layer ") else name
+
+
+def fit(record: dict) -> dict:
+    """Per segment kind (``layer`` = the largest layer segment), the family counts at the largest length, their
+    per-token slope over the lengths (bytes per local token of the segment's peak, least squares), and the
+    peak's slope; what ``ds_ulysses.planner.MEASURED_TERMS`` stores."""
+    dims = _dims(record)
+    points: dict[str, list] = {}
+    for i in range(len(record["seq_lens"])):
+        entry, step = _step_of(record, i)
+        kinds: dict[str, dict] = {}
+        for name, seg in step["segments"].items():
+            kind = _segment_kind(name)
+            if kind not in kinds or seg["peak"] > kinds[kind]["peak"]:
+                kinds[kind] = seg
+        kinds["step peak"] = max(step["segments"].values(), key=lambda s: s["peak"])
+        for kind, seg in kinds.items():
+            points.setdefault(kind, []).append((entry["local"], seg["peak"], seg["families"]))
+    unit = dims["hidden"] * 4
+    out = {}
+    for kind, rows in points.items():
+        xs, ys = [r[0] for r in rows], [r[1] for r in rows]
+        out[kind] = {"slope_units": _slope(xs, ys) / unit, "peaks": ys, "locals": xs,
+                     "families": rows[-1][2]}
+    return out
+
+
+def _dims(record: dict) -> dict:
+    from .rank import MODEL_DEFAULTS
+
+    return {**MODEL_DEFAULTS, **record.get("model", {})}
+
+
+def _slope(xs, ys) -> float:
+    if len(xs) < 2:
+        return float("nan")
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def slopes(records: list[dict]) -> dict:
+    """(name, sp) -> :func:`fit`."""
+    return {(r["name"], r["sp"]): fit(r) for r in records if "error" not in r}
+
+
+def format_breakdown(records: list[dict]) -> str:
+    """The Markdown tables: per arm and sp the peaks and per-token slopes by segment, then what is live at the
+    step's peak at the largest length, in units."""
+    lines = ["| arm | sp | segment | peak at each sl_l (MiB) | slope (units / token) | families at the largest "
+             "(units; tiles; [V,h]; fixed MiB) |", "|---|---|---|---|---|---|"]
+    for (name, sp), kinds in slopes(records).items():
+        for kind in ("step peak", "forward", "loss", "head backward", "layer", "step"):
+            if kind not in kinds:
+                continue
+            k = kinds[kind]
+            fam = ", ".join(f"{f} {v / 2**20:.1f}" if f == "fixed" else f"{f} {v:.2f}"
+                            for f, v in sorted(k["families"].items()))
+            lines.append(f"| {name} | {sp} | {kind} | " + " / ".join(f"{p / 2**20:.0f}" for p in k["peaks"])
+                         + f" (sl_l {'/'.join(map(str, k['locals']))}) | {k['slope_units']:.2f} | {fam} |")
+    for record in (r for r in records if "error" not in r):
+        dims = _dims(record)
+        entry, step = _step_of(record, len(record["seq_lens"]) - 1)
+        name, seg = max(step["segments"].items(), key=lambda kv: kv[1]["peak"])
+        unit = entry["local"] * dims["hidden"] * 4
+        lines += ["", f"**{record['name']}, sp {record['sp']}, S {entry['seq_len']} (sl_l {entry['local']}): live at "
+                      f"the step's peak ({seg['peak'] / 2**20:.0f} MiB, {seg['peak'] / unit:.2f} units, in segment "
+                      f"{name})**", "",
+                  "| family | allocated in | by (module or autograd node) | op | dtype | shape | tensors | units |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for family, segment, where, op, dtype, shape, n, nbytes in seg["live"]:
+            if nbytes / unit < 0.05:
+                continue
+            lines.append(f"| {family} | {segment} | {where} | {op} | {dtype} | {shape} | {n} | {nbytes / unit:.2f} |")
+        small = sum(row[-1] for row in seg["live"] if row[-1] / unit < 0.05)
+        lines.append(f"| (smaller items) | | | | | | | {small / unit:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ds_ulysses.planner import parse_size
+    from ds_ulysses.train import ops
+
+    from .bench import _parse_pairs
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.breakdown", description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", nargs="+", default=["4K", "8K", "12K"], help="global lengths (three or more)")
+    parser.add_argument("--sp", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--arm", nargs="+", choices=RECIPES, default=list(RECIPES))
+    parser.add_argument("--tiled-attention", type=int, default=0, metavar="N",
+                        help="add an arm ours[tiled_attention] with \"tiled_attention\": {\"enabled\": true, "
+                             "\"shards\": N} (needs a ds_ulysses whose section has that field)")
+    parser.add_argument("--model", action="append", default=[], metavar="KEY=INT",
+                        help="model overrides on issue 67's Llama-3.1-8B-shaped model (hidden 1024, ...)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--out", default="benchmarks/results/breakdown.jsonl")
+    parser.add_argument("--report-only", action="store_true", help="print the tables of the records in --out")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if not args.report_only:
+        try:
+            seq_lens = [parse_size(s) for s in args.seq_len]
+            model = {**LLAMA8B_SHAPED, **_parse_pairs(args.model, "--model", int)}
+        except ValueError as exc:
+            print(f"breakdown: {exc}", file=sys.stderr)
+            return 2
+        if len(seq_lens) < 3:
+            print(f"breakdown: a slope needs three lengths or more, got {args.seq_len}", file=sys.stderr)
+            return 2
+        arms = {arm: (arm, ALST_SECTION if arm == "ours" else {}) for arm in args.arm}
+        if args.tiled_attention:
+            arms["ours[tiled_attention]"] = ("ours", {**ALST_SECTION, "tiled_attention": {
+                "enabled": True, "shards": args.tiled_attention}})
+        ops.use_venv_cache()
+        ops.build()
+        run_breakdown(sorted(seq_lens), args.sp, arms, out, model, args.warmup, args.steps)
+    records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    print(format_breakdown([r for r in records if r.get("kind") == "breakdown"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
