@@ -23,6 +23,8 @@ live then: which op in which module allocated it, in which segment, its shape. E
 into a *family* (:func:`classify`) by its shape, so that the counts carry over to other model sizes:
 
 - ``checkpoint``: a per-token tensor allocated in ``forward`` at a decoder layer's input (one per layer),
+- ``norm``: a per-token tensor an RMSNorm allocated (in bf16 these stay fp32-sized: the norm keeps an fp32
+  upcast of its input), counted in units,
 - ``per token``: any other tensor with a dimension of sl_l or S tokens, counted in units,
 - ``mlp tile`` / ``loss tile``: ``[rows, I]`` / ``[rows, V]`` tensors, rows being the recipe's tile rows,
   counted in tiles,
@@ -55,7 +57,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["LiveTensors", "ALST_SECTION", "LLAMA8B_SHAPED", "tile_rows", "classify", "run", "run_breakdown",
-           "fit", "slopes", "format_breakdown", "main"]
+           "fit", "dims_of", "ACTIVATION_SEGMENTS", "activation_peak", "planner_terms", "measured_terms", "slopes", "format_breakdown", "main"]
 
 ALST_SECTION = {"tiled_mlp": {"enabled": True}, "activation_checkpoint_offload": {"enabled": True}}
 # Llama-3.1-8B's per-layer proportions (h : I : kv : V) scaled down to a CPU: issue 67's model
@@ -110,8 +112,9 @@ class LiveTensors(TorchDispatchMode):
                 self.peaks[self.segment] = (self.total, list(self.live.values()))
 
     def _free(self, key: int, nbytes: int) -> None:
-        if self.live.pop(key, None) is not None:
-            self._settle()
+        if key in self.live:
+            self._settle()  # the live set before this free is the peak's
+            del self.live[key]
             self.total -= nbytes
 
     def _where(self) -> str:
@@ -132,8 +135,11 @@ class LiveTensors(TorchDispatchMode):
             key, nbytes = storage.data_ptr(), storage.nbytes()
             if nbytes == 0 or key in inputs or key in self.live:
                 continue
+            where = self._where()
+            if where == "-" and (self.segment == "head backward" or self.segment.startswith("layer ")):
+                self.set_segment("backward epilogue")  # autograd is done: ZeRO's gradient handling
             self.live[key] = (nbytes, tuple(t.shape), str(t.dtype).removeprefix("torch."), self.segment,
-                              self._where(), func.__name__)
+                              where, func.__name__)
             self.total += nbytes
             self._rising = True
             weakref.finalize(storage, self._free, key, nbytes)
@@ -143,7 +149,7 @@ class LiveTensors(TorchDispatchMode):
         self._settle()
 
     def hook(self, model) -> list:
-        """Follow which module runs (every named submodule), and cut segments at the decoder's layers and at the
+        """Follow which decoder module runs, and cut segments at the decoder's layers and at the
         decoder's end. A layer's submodule running in backward is that layer's recompute (Transformers
         checkpoints a layer's ``forward``, so the layer's own hooks stay outside and only its submodules' run
         again)."""
@@ -153,7 +159,9 @@ class LiveTensors(TorchDispatchMode):
         for i, layer in enumerate(decoder.layers):
             layer_of.update({id(sub): i for sub in layer.modules()})
 
-        for name, module in model.named_modules():
+        # the decoder's modules only: a hook on the lm_head would make our loss refuse to fuse it (it fuses only a
+        # head without hooks but DeepSpeed's, ds_ulysses.memory.fused_ce.fusable_head)
+        for name, module in decoder.named_modules(prefix="model"):
             def enter(mod, args, _name=name):
                 i = layer_of.get(id(mod))
                 if i is not None and self.segment not in ("forward", "loss", f"layer {i}"):
@@ -182,11 +190,13 @@ def classify(entry: tuple, local: int, seq_len: int, dims: dict, rows: tuple[int
         return "mlp tile", nbytes / (mlp_rows * inter * 4)
     if numel_ok and shape[-1] == vocab and any(d in (loss_rows, loss_rows - 1) for d in shape[:-1]):
         return "loss tile", nbytes / (loss_rows * vocab * 4)
-    if sorted(shape[-2:]) == sorted((vocab, h)):
+    if len(shape) == 2 and sorted(shape) == sorted((vocab, h)):
         return "head weight", nbytes / (vocab * h * 4)
     if any(d in (local, seq_len) for d in shape):
         if segment == "forward" and shape[-1] == h and (where.endswith("embed_tokens") or _layer_output(where)):
             return "checkpoint", nbytes / unit
+        if where.endswith("norm"):
+            return "norm", nbytes / unit
         return "per token", nbytes / unit
     return "fixed", float(nbytes)
 
@@ -315,28 +325,28 @@ def _segment_kind(name: str) -> str:
 
 
 def fit(record: dict) -> dict:
-    """Per segment kind (``layer`` = the largest layer segment), the family counts at the largest length, their
-    per-token slope over the lengths (bytes per local token of the segment's peak, least squares), and the
-    peak's slope; what ``ds_ulysses.planner.MEASURED_TERMS`` stores."""
+    """Per segment kind, its peak at each length and their least-squares slope in units per local token:
+    the activation segments (``layer`` = the first layer recomputed), ``activation peak`` (the step's
+    activation peak, :func:`activation_peak`) and ``step peak`` (every segment's largest, ZeRO-3's gathered
+    parameters, its gradient epilogue and the optimizer step included); with the families at the largest
+    length."""
     dims = _dims(record)
     points: dict[str, list] = {}
     for i in range(len(record["seq_lens"])):
         entry, step = _step_of(record, i)
-        kinds: dict[str, dict] = {}
-        for name, seg in step["segments"].items():
-            kind = _segment_kind(name)
-            if kind not in kinds or seg["peak"] > kinds[kind]["peak"]:
-                kinds[kind] = seg
-        kinds["step peak"] = max(step["segments"].values(), key=lambda s: s["peak"])
+        kinds = dict(_activation_segments(step, dims["layers"]))
+        for name in ("backward epilogue", "step"):
+            if name in step["segments"]:
+                kinds[name] = step["segments"][name]
+        kinds["step peak"] = max(step["segments"].values(), key=lambda seg: seg["peak"])
         for kind, seg in kinds.items():
-            points.setdefault(kind, []).append((entry["local"], seg["peak"], seg["families"]))
+            points.setdefault(kind, []).append((entry["local"], seg["peak"], families(seg, entry, dims)))
+        points.setdefault("activation peak", []).append(
+            (entry["local"], activation_peak(step, dims["layers"], entry, dims), {}))
     unit = dims["hidden"] * 4
-    out = {}
-    for kind, rows in points.items():
-        xs, ys = [r[0] for r in rows], [r[1] for r in rows]
-        out[kind] = {"slope_units": _slope(xs, ys) / unit, "peaks": ys, "locals": xs,
-                     "families": rows[-1][2]}
-    return out
+    return {kind: {"slope_units": _slope([r[0] for r in rows], [r[1] for r in rows]) / unit,
+                   "peaks": [r[1] for r in rows], "locals": [r[0] for r in rows], "families": rows[-1][2]}
+            for kind, rows in points.items()}
 
 
 def _dims(record: dict) -> dict:
@@ -352,6 +362,78 @@ def _slope(xs, ys) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
+def dims_of(record: dict):
+    """The measured model as the planner's :class:`~ds_ulysses.planner.ModelDims`."""
+    from ds_ulysses.planner import ModelDims
+
+    d = _dims(record)
+    return ModelDims(hidden=d["hidden"], intermediate=d["intermediate"], layers=d["layers"], heads=d["heads"],
+                     kv_heads=d["kv_heads"], head_dim=d["hidden"] // d["heads"], vocab=d["vocab"])
+
+
+ACTIVATION_SEGMENTS = ("forward", "loss", "head backward", "layer")
+
+
+def _activation_segments(step: dict, layers: int) -> dict[str, dict]:
+    """The segments whose peaks are the step's activations: ``layer`` is the first layer recomputed
+    (``layer L-1``, every checkpoint still held; the layers' working sets are alike), the optimizer step and
+    ZeRO's gradient epilogue are model states, not activations."""
+    names = {"forward": "forward", "loss": "loss", "head backward": "head backward", "layer": f"layer {layers - 1}"}
+    return {kind: step["segments"][name] for kind, name in names.items() if name in step["segments"]}
+
+
+def families(seg: dict, entry: dict, dims: dict) -> dict[str, float]:
+    """A segment's live tensors at its peak sorted into families again (:func:`classify`, so that a record keeps
+    serving when the families are refined): family -> amount."""
+    out: dict[str, float] = {}
+    for _, segment, where, op, dtype, shape, n, nbytes in seg["live"]:
+        dims_ = tuple(int(d) for d in shape.split("x")) if shape else ()
+        family, amount = classify((nbytes / n, dims_, dtype, segment, where, op), entry["local"], entry["seq_len"],
+                                  dims, tuple(entry["rows"]))
+        out[family] = out.get(family, 0.0) + amount * n
+    return out
+
+
+def activation_peak(step: dict, layers: int, entry: dict, dims: dict) -> float:
+    """The step's activation peak: the largest activation segment's peak less the fixed-size items live then
+    (ZeRO-3's gathered parameters and buffers, whose prefetching varies from step to step; the planner holds
+    them in its parameter terms)."""
+    return max(seg["peak"] - families(seg, entry, dims).get("fixed", 0.0)
+               for seg in _activation_segments(step, layers).values())
+
+
+def planner_terms(record: dict) -> dict:
+    """The planner's fitted terms (:class:`ds_ulysses.planner.SegmentTerms`' fields) per activation segment, from
+    one record: each family's count at the segment's peak at the largest length (the one nearest the long
+    sequences the planner is for), checkpoints counted beyond one per layer."""
+    dims = dims_of(record)
+    entry, step = _step_of(record, len(record["seq_lens"]) - 1)
+    out = {}
+    for kind, seg in _activation_segments(step, dims.layers).items():
+        fam = families(seg, entry, _dims(record))
+        out[kind] = {"units": round(fam.get("per token", 0.0), 3),
+                     "checkpoints": round(fam.get("checkpoint", 0.0) - dims.layers, 3),
+                     "mlp_tiles": round(fam.get("mlp tile", 0.0), 3), "loss_tiles": round(fam.get("loss tile", 0.0), 3),
+                     "head_weights": round(fam.get("head weight", 0.0), 3),
+                     "norm_units": round(fam.get("norm", 0.0), 3)}
+    return out
+
+
+def measured_terms(records: list[dict], path: str) -> dict:
+    """``ds_ulysses.planner.MEASURED_TERMS``: per recipe the terms of its latest sp 1 and sp > 1 records, with the
+    records named (file, date, commit, lengths)."""
+    latest = {}
+    for record in records:
+        if record["name"] in RECIPES:
+            latest[(record["name"], "sp1" if record["sp"] == 1 else "sp>1")] = record
+    source = "; ".join(f"{name} sp {r['sp']}: {r['date']} at {r['commit']}, S {'/'.join(map(str, r['seq_lens']))}"
+                       for (name, _), r in sorted(latest.items()))
+    terms: dict = {}
+    for (name, sp_class), record in sorted(latest.items()):
+        terms.setdefault(name, {})[sp_class] = planner_terms(record)
+    return {"source": f"{path} ({source})", "terms": terms}
+
+
 def slopes(records: list[dict]) -> dict:
     """(name, sp) -> :func:`fit`."""
     return {(r["name"], r["sp"]): fit(r) for r in records if "error" not in r}
@@ -363,7 +445,7 @@ def format_breakdown(records: list[dict]) -> str:
     lines = ["| arm | sp | segment | peak at each sl_l (MiB) | slope (units / token) | families at the largest "
              "(units; tiles; [V,h]; fixed MiB) |", "|---|---|---|---|---|---|"]
     for (name, sp), kinds in slopes(records).items():
-        for kind in ("step peak", "forward", "loss", "head backward", "layer", "step"):
+        for kind in ("activation peak", "step peak", *ACTIVATION_SEGMENTS, "backward epilogue", "step"):
             if kind not in kinds:
                 continue
             k = kinds[kind]
@@ -374,16 +456,17 @@ def format_breakdown(records: list[dict]) -> str:
     for record in (r for r in records if "error" not in r):
         dims = _dims(record)
         entry, step = _step_of(record, len(record["seq_lens"]) - 1)
-        name, seg = max(step["segments"].items(), key=lambda kv: kv[1]["peak"])
+        name, seg = max(_activation_segments(step, dims["layers"]).items(), key=lambda kv: kv[1]["peak"])
         unit = entry["local"] * dims["hidden"] * 4
         lines += ["", f"**{record['name']}, sp {record['sp']}, S {entry['seq_len']} (sl_l {entry['local']}): live at "
-                      f"the step's peak ({seg['peak'] / 2**20:.0f} MiB, {seg['peak'] / unit:.2f} units, in segment "
-                      f"{name})**", "",
+                      f"the step's activation peak ({seg['peak'] / 2**20:.0f} MiB, {seg['peak'] / unit:.2f} units, in "
+                      f"segment {name})**", "",
                   "| family | allocated in | by (module or autograd node) | op | dtype | shape | tensors | units |",
                   "|---|---|---|---|---|---|---|---|"]
-        for family, segment, where, op, dtype, shape, n, nbytes in seg["live"]:
+        for _, segment, where, op, dtype, shape, n, nbytes in seg["live"]:
             if nbytes / unit < 0.05:
                 continue
+            family = next(iter(families({"live": [[None, segment, where, op, dtype, shape, n, nbytes]]}, entry, dims)))
             lines.append(f"| {family} | {segment} | {where} | {op} | {dtype} | {shape} | {n} | {nbytes / unit:.2f} |")
         small = sum(row[-1] for row in seg["live"] if row[-1] / unit < 0.05)
         lines.append(f"| (smaller items) | | | | | | | {small / unit:.2f} |")
@@ -409,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/breakdown.jsonl")
     parser.add_argument("--report-only", action="store_true", help="print the tables of the records in --out")
+    parser.add_argument("--terms", action="store_true", help="also print the planner's fitted terms (as "
+                                                             "ds_ulysses.planner.MEASURED_TERMS holds them)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     if not args.report_only:
@@ -429,7 +514,10 @@ def main(argv: list[str] | None = None) -> int:
         ops.build()
         run_breakdown(sorted(seq_lens), args.sp, arms, out, model, args.warmup, args.steps)
     records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    print(format_breakdown([r for r in records if r.get("kind") == "breakdown"]))
+    records = [r for r in records if r.get("kind") == "breakdown" and "error" not in r]
+    print(format_breakdown(records))
+    if args.terms:
+        print(json.dumps(measured_terms(records, str(out)), indent=1))
     return 0
 
 
