@@ -18,7 +18,8 @@ The step is cut into *segments*, because the loss and the layers peak at differe
 sets do not add up): ``forward`` (embedding and decoder layers), ``loss`` (from the decoder's output to the
 loss; our fused loss and DeepSpeed's TiledFusedLogitsLoss both do their backward here), ``head backward``
 (backward before the first layer's recompute), ``layer i`` (layer i's recompute and backward, until the next
-layer's recompute starts) and ``step`` (the optimizer). Each segment's peak is kept with a snapshot of what was
+layer's recompute starts), ``backward epilogue`` (from the first allocation after the last layer's backward
+outside any module or autograd node: ZeRO's gradient handling) and ``step`` (the optimizer). Each segment's peak is kept with a snapshot of what was
 live then: which op in which module allocated it, in which segment, its shape. Each live tensor is then sorted
 into a *family* (:func:`classify`) by its shape, so that the counts carry over to other model sizes:
 
@@ -56,6 +57,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .rank import arctic_loss_shards
+
 __all__ = ["LiveTensors", "ALST_SECTION", "LLAMA8B_SHAPED", "tile_rows", "classify", "run", "run_breakdown",
            "fit", "dims_of", "ACTIVATION_SEGMENTS", "activation_peak", "planner_terms", "measured_terms", "slopes", "format_breakdown", "main"]
 
@@ -63,19 +66,22 @@ ALST_SECTION = {"tiled_mlp": {"enabled": True}, "activation_checkpoint_offload":
 # Llama-3.1-8B's per-layer proportions (h : I : kv : V) scaled down to a CPU: issue 67's model
 LLAMA8B_SHAPED = {"vocab": 32000, "hidden": 1024, "intermediate": 3584, "layers": 2, "heads": 8, "kv_heads": 2}
 RECIPES = ("ours", "deepspeed-alst")
-ARCTIC_LOGITS_TILE_BYTES = 1 << 30  # benchmarks.rank.ARCTIC_LOGITS_TILE_GIB
 
 
-def tile_rows(recipe: str, local: int, hidden: int, vocab: int) -> tuple[int, int]:
-    """(MLP tile rows, loss tile rows) of one recipe at ``local`` tokens per rank: ours from the section's
-    "auto" rules, DeepSpeed's from its recipe (``ceil(sl_l / h)`` MLP tiles, about 1 GiB of fp32 logits a
-    loss tile)."""
+def tile_rows(recipe: str, local: int, hidden: int, vocab: int, section: dict | None = None) -> tuple[int, int]:
+    """(MLP tile rows, loss tile rows) of one recipe at ``local`` tokens per rank: ours from the section (its
+    tile counts, or the "auto" rules), DeepSpeed's from its recipe (``ceil(sl_l / h)`` MLP tiles, about 1 GiB
+    of fp32 logits a loss tile)."""
     from ds_ulysses.memory.tiles import auto_loss_shards, auto_mlp_shards
 
     if recipe == "ours":
-        mlp, loss = auto_mlp_shards(local, hidden), auto_loss_shards(local, vocab)
+        def shards(tool, auto):
+            given = (section or {}).get(tool, {}).get("shards", "auto")
+            return auto if given == "auto" else int(given)
+        mlp = shards("tiled_mlp", auto_mlp_shards(local, hidden))
+        loss = shards("tiled_loss", auto_loss_shards(local, vocab))
     else:
-        mlp, loss = math.ceil(local / hidden), max(1, math.ceil(local * vocab * 4 / ARCTIC_LOGITS_TILE_BYTES))
+        mlp, loss = math.ceil(local / hidden), arctic_loss_shards(local, vocab)
     return math.ceil(local / mlp), math.ceil(local / loss)
 
 
@@ -136,7 +142,7 @@ class LiveTensors(TorchDispatchMode):
             if nbytes == 0 or key in inputs or key in self.live:
                 continue
             where = self._where()
-            if where == "-" and (self.segment == "head backward" or self.segment.startswith("layer ")):
+            if where == "-" and self.segment.startswith("layer "):
                 self.set_segment("backward epilogue")  # autograd is done: ZeRO's gradient handling
             self.live[key] = (nbytes, tuple(t.shape), str(t.dtype).removeprefix("torch."), self.segment,
                               where, func.__name__)
@@ -235,7 +241,7 @@ def run(spec: dict) -> dict:
     lengths = []
     for seq_len in spec["seq_lens"]:
         local = seq_len // sp
-        rows = tile_rows(recipe, local, dims["hidden"], dims["vocab"])
+        rows = tile_rows(recipe, local, dims["hidden"], dims["vocab"], spec.get("section"))
         steps = []
         for i in range(per_len):
             dist.barrier()

@@ -172,22 +172,23 @@ class SegmentTerms:
 
 RECIPES = ("ours", "deepspeed-alst")
 # ArcticTraining's tiled loss (DeepSpeed's ALST recipe): about 1 GiB of fp32 logits a tile
-_ARCTIC_LOSS_TILE_BYTES = 1 << 30
+_ARCTIC_LOSS_TILE_BYTES = GIB
 
 # Fitted by ``python -m benchmarks.breakdown --terms`` from benchmarks/results/breakdown.jsonl (the record named in
 # "source"): recipe -> "sp1" | "sp>1" (Ulysses' all-to-all buffers exist only with sp > 1) -> segment -> terms.
 MEASURED_TERMS: dict = {  # segment -> SegmentTerms(units, checkpoints, mlp_tiles, loss_tiles, head_weights, norm_units)
-    "source": ("benchmarks/results/breakdown.jsonl (deepspeed-alst sp 2: 2026-12-02 16:17 at a561b25+changes, S 3072/4096/5120; "
-               "ours sp 2: 2026-12-02 16:24 at a561b25+changes, S 3072/4096/5120) PROVISIONAL"),
+    "source": ("benchmarks/results/breakdown.jsonl (deepspeed-alst sp 1: 2026-12-02 16:39 at a561b25+changes, S 3072/4096/5120; "
+               "deepspeed-alst sp 2: 2026-12-02 16:17 at a561b25+changes, S 3072/4096/5120; "
+               "ours sp 1: 2026-12-02 16:31 at a561b25+changes, S 3072/4096/5120; "
+               "ours sp 2: 2026-12-02 16:24 at a561b25+changes, S 3072/4096/5120)"),
     "terms": {
         "deepspeed-alst": {
-            "sp>1": {
-                "forward": SegmentTerms(0.0, -1.0, 0.0, 0.0, 0.0, 0.0),
-                "loss": SegmentTerms(1.25, 1.0, 0.0, 3.0, 0.0, 2.001),
-                "head backward": SegmentTerms(5.25, 1.0, 0.0, 0.0, 0.0, 0.0),
-                "layer": SegmentTerms(6.758, 0.0, 5.0, 0.0, 0.0, 4.002),
-            },
             "sp1": {
+                "forward": SegmentTerms(4.75, 0.0, 0.0, 0.0, 0.0, 1.0),
+                "loss": SegmentTerms(1.25, 1.0, 0.0, 3.0, 0.0, 2.001),
+                "layer": SegmentTerms(5.758, 0.0, 7.0, 0.0, 0.0, 4.002),
+            },
+            "sp>1": {
                 "forward": SegmentTerms(0.0, -1.0, 0.0, 0.0, 0.0, 0.0),
                 "loss": SegmentTerms(1.25, 1.0, 0.0, 3.0, 0.0, 2.001),
                 "head backward": SegmentTerms(5.25, 1.0, 0.0, 0.0, 0.0, 0.0),
@@ -195,12 +196,12 @@ MEASURED_TERMS: dict = {  # segment -> SegmentTerms(units, checkpoints, mlp_tile
             },
         },
         "ours": {
-            "sp>1": {
-                "forward": SegmentTerms(0.0, -1.0, 0.0, 0.0, 0.0, 0.0),
-                "loss": SegmentTerms(1.256, 1.0, 0.0, 1.0, 2.0, 2.001),
-                "layer": SegmentTerms(6.762, 0.0, 4.994, 0.0, 0.0, 4.002),
-            },
             "sp1": {
+                "forward": SegmentTerms(4.75, 0.0, 0.0, 0.0, 0.0, 1.0),
+                "loss": SegmentTerms(1.252, 1.0, 0.0, 1.0, 2.0, 2.001),
+                "layer": SegmentTerms(5.758, 0.0, 7.0, 0.0, 0.0, 4.002),
+            },
+            "sp>1": {
                 "forward": SegmentTerms(0.0, -1.0, 0.0, 0.0, 0.0, 0.0),
                 "loss": SegmentTerms(1.256, 1.0, 0.0, 1.0, 2.0, 2.001),
                 "layer": SegmentTerms(6.762, 0.0, 4.994, 0.0, 0.0, 4.002),
