@@ -19,8 +19,8 @@ sets do not add up): ``forward`` (embedding and decoder layers), ``loss`` (from 
 loss; our fused loss and DeepSpeed's TiledFusedLogitsLoss both do their backward here), ``head backward``
 (backward before the first layer's recompute), ``layer i`` (layer i's recompute and backward, until the next
 layer's recompute starts), ``backward epilogue`` (from the first allocation after the last layer's backward
-outside any module or autograd node: ZeRO's gradient handling) and ``step`` (the optimizer). Each segment's peak is kept with a snapshot of what was
-live then: which op in which module allocated it, in which segment, its shape. Each live tensor is then sorted
+outside any module or autograd node: ZeRO's gradient handling) and ``step`` (the optimizer). Each segment's peak
+is kept with a snapshot of what was live then: which op in which module allocated it, in which segment, its shape. Each live tensor is then sorted
 into a *family* (:func:`classify`) by its shape, so that the counts carry over to other model sizes:
 
 - ``checkpoint``: a per-token tensor allocated in ``forward`` at a decoder layer's input (one per layer),
@@ -30,10 +30,10 @@ into a *family* (:func:`classify`) by its shape, so that the counts carry over t
 - ``mlp tile`` / ``loss tile``: ``[rows, I]`` / ``[rows, V]`` tensors, rows being the recipe's tile rows,
   counted in tiles,
 - ``head weight``: ``[V, h]`` (the lm_head's gathered weight or its gradient), counted in such tensors,
-- ``fixed``: the rest (a layer's gathered weights, small buffers), in bytes.
+- ``fixed``: the rest (ZeRO-3's gathered weights, the weights' gradients, small buffers), in bytes.
 
-:func:`fit` turns a run's records into those counts per segment and recipe; ``ds_ulysses.planner`` holds the
-fitted counts with the record they came from (``MEASURED_TERMS``).
+:func:`fit` gives each segment's peak and per-token slope over the lengths; :func:`planner_terms` the family
+counts that ``ds_ulysses.planner`` holds with the record they came from (``MEASURED_TERMS``).
 
 Arms: ``deepspeed-alst`` (benchmarks.rank's ArcticTraining setup: DeepSpeed's TiledMLP, TiledFusedLogitsLoss,
 gradient checkpointing) and ``ours`` with the section's ALST switches (``tiled_mlp`` and
@@ -59,8 +59,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .rank import arctic_loss_shards
 
-__all__ = ["LiveTensors", "ALST_SECTION", "LLAMA8B_SHAPED", "tile_rows", "classify", "run", "run_breakdown",
-           "fit", "dims_of", "ACTIVATION_SEGMENTS", "activation_peak", "planner_terms", "measured_terms", "slopes", "format_breakdown", "main"]
+__all__ = ["LiveTensors", "ALST_SECTION", "LLAMA8B_SHAPED", "tile_rows", "classify", "families", "run",
+           "run_breakdown", "fit", "dims_of", "ACTIVATION_SEGMENTS", "activation_peak", "planner_terms",
+           "measured_terms", "slopes", "format_breakdown", "main"]
 
 ALST_SECTION = {"tiled_mlp": {"enabled": True}, "activation_checkpoint_offload": {"enabled": True}}
 # Llama-3.1-8B's per-layer proportions (h : I : kv : V) scaled down to a CPU: issue 67's model

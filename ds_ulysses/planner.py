@@ -42,7 +42,8 @@ from .constants import GIB
 from .memory.tiles import auto_loss_shards, auto_mlp_shards
 
 __all__ = ["parse_size", "ModelDims", "Setup", "KNOWN_MODELS", "load_dims", "layer_units", "SegmentTerms",
-           "MEASURED_TERMS", "RECIPES", "tile_rows", "tiled_attention_units", "INDEX_LIMIT", "largest_tensor", "segment_peaks", "step_peak", "breakdown", "fits",
+           "MEASURED_TERMS", "RECIPES", "tile_rows", "tiled_attention_units", "INDEX_LIMIT", "largest_tensor",
+           "segment_peaks", "step_peak", "breakdown", "fits",
            "recommend", "max_seq_len", "cpu_rss", "ulysses_section", "add_arguments", "run_command"]
 
 def parse_size(text: str) -> int:
@@ -177,7 +178,8 @@ _ARCTIC_LOSS_TILE_BYTES = GIB
 # Fitted by ``python -m benchmarks.breakdown --terms`` from benchmarks/results/breakdown.jsonl (the record named in
 # "source"): recipe -> "sp1" | "sp>1" (Ulysses' all-to-all buffers exist only with sp > 1) -> segment -> terms.
 MEASURED_TERMS: dict = {  # segment -> SegmentTerms(units, checkpoints, mlp_tiles, loss_tiles, head_weights, norm_units)
-    "source": ("benchmarks/results/breakdown.jsonl (deepspeed-alst sp 1: 2026-12-02 16:39 at a561b25+changes, S 3072/4096/5120; "
+    "source": ("benchmarks/results/breakdown.jsonl ("
+               "deepspeed-alst sp 1: 2026-12-02 16:39 at a561b25+changes, S 3072/4096/5120; "
                "deepspeed-alst sp 2: 2026-12-02 16:17 at a561b25+changes, S 3072/4096/5120; "
                "ours sp 1: 2026-12-02 16:31 at a561b25+changes, S 3072/4096/5120; "
                "ours sp 2: 2026-12-02 16:24 at a561b25+changes, S 3072/4096/5120)"),
