@@ -45,7 +45,7 @@ import torch.distributed as dist
 from .tap import CollectiveTap
 
 __all__ = ["IMPLEMENTATIONS", "MODEL_DEFAULTS", "ds_config", "make_dataset", "loop_dataset", "build_model",
-           "tutorial_loss", "library_classes", "tap_library", "main"]
+           "tutorial_loss", "arctic_loss_shards", "library_classes", "tap_library", "main"]
 
 IMPLEMENTATIONS = ("deepspeed", "ours-dropin", "ours", "deepspeed-alst")
 MODEL_DEFAULTS = {"vocab": 32000, "hidden": 256, "intermediate": 688, "layers": 4, "heads": 8, "kv_heads": 2}
@@ -152,6 +152,11 @@ def tutorial_loss(engine, batch: dict, group, labels_in_batch: bool = False) -> 
     return _aggregate(loss, shift_labels, group)
 
 
+def arctic_loss_shards(tokens: int, vocab: int) -> int:
+    """ArcticTraining's tiled-loss tile count: about :data:`ARCTIC_LOGITS_TILE_GIB` of fp32 logits a tile."""
+    return max(1, math.ceil(tokens * vocab * 4 / 2**30 / ARCTIC_LOGITS_TILE_GIB))
+
+
 def arctic_tiled_loss(engine, batch: dict, group) -> torch.Tensor:
     """ArcticTraining's SP loss with DeepSpeed's ``TiledFusedLogitsLoss`` (its SFT trainer, our words):
     the decoder's hidden states, per-tile loss sums over ~1 GiB fp32 logit tiles, "sum" reduction,
@@ -163,7 +168,7 @@ def arctic_tiled_loss(engine, batch: dict, group) -> torch.Tensor:
     hidden = model.model(**batch, use_cache=False).last_hidden_state  # [bs sl_l h]
     bs, sl_l = shift_labels.shape
     vocab = model.config.vocab_size
-    shards = max(1, math.ceil(bs * sl_l * vocab * 4 / 2**30 / ARCTIC_LOGITS_TILE_GIB))
+    shards = arctic_loss_shards(bs * sl_l, vocab)
 
     def tile_loss_sum(owner, x, y):
         logits = owner.lm_head(x)
@@ -408,6 +413,10 @@ def main(argv: list[str] | None = None) -> int:
         from .tiled import run as run_tiled
 
         result = run_tiled(spec["op"], spec["seq_len"], spec["iters"], spec.get("model"))
+    elif spec.get("loop") == "breakdown":
+        from .breakdown import run as run_breakdown
+
+        result = run_breakdown(spec)
     elif spec.get("loop") == "trainer":
         from .trainer import run as run_trainer
 

@@ -21,6 +21,14 @@ too, as ALST measured it). Its activations are Ulysses' (each rank still holds
 ``sl_l`` tokens' worth of q, k, v) plus the blocks in flight (:func:`breakdown`), and its price is traffic
 (:func:`layer_traffic`): the ring sends key/value blocks where Ulysses sends all four of q, k, v and the output.
 
+Measured terms (issue 67): with checkpointing and the tiled MLP and loss on, the activation terms are not
+estimates but fitted to what a training step holds at its peaks (``python -m benchmarks.breakdown``:
+live tensors by segment, tensor by tensor; :data:`MEASURED_TERMS`, with the record they came from). A
+step's segments peak at different moments (the loss while the decoder's checkpoints are held; each
+layer's recompute and backward while the loss is long gone), so the step's activation peak is the
+*largest* segment, not their sum (:func:`segment_peaks`). Without checkpointing or with an untiled MLP
+the planner keeps the estimates of :func:`layer_units` (no record measures those).
+
 On CPU there is no separate device memory: the prediction for a CPU run is one process's RSS high
 water mark = a measured runtime baseline (Python, torch, DeepSpeed, Transformers, communication
 buffers: ``--cpu-baseline``) + model states on both "sides" + the activation peak. Without
@@ -40,9 +48,10 @@ from .config import resolve_ring_size
 from .constants import GIB
 from .memory.tiles import auto_loss_shards, auto_mlp_shards
 
-__all__ = ["parse_size", "ModelDims", "Setup", "KNOWN_MODELS", "load_dims", "layer_units", "breakdown", "fits",
-           "recommend", "max_seq_len", "cpu_rss", "ulysses_section", "layer_traffic", "add_arguments",
-           "run_command"]
+__all__ = ["parse_size", "ModelDims", "Setup", "KNOWN_MODELS", "load_dims", "layer_units", "SegmentTerms",
+           "MEASURED_TERMS", "RECIPES", "tile_rows", "tiled_attention_units", "INDEX_LIMIT", "largest_tensor",
+           "segment_peaks", "step_peak", "breakdown", "fits", "recommend", "max_seq_len", "cpu_rss", "ulysses_section",
+           "layer_traffic", "add_arguments", "run_command"]
 
 NODE_GPUS = 8  # GPUs per node the plan keeps each Ulysses group within
 
@@ -129,6 +138,8 @@ class Setup:
     offload_optimizer: bool = True
     offload_param: bool = False
     ring: int = 1                 # ulysses.ring_size (sp / ring ranks split heads)
+    recipe: str = "ours"          # whose tools: "ours" or DeepSpeed's ALST recipe, "deepspeed-alst" (RECIPES)
+    tiled_attention: int = 1      # attention head groups computed one at a time (1 = untiled)
 
     @property
     def local(self) -> float:
@@ -153,16 +164,170 @@ def mlp_units(dims: ModelDims, setup: Setup) -> float:
     return 4 * dims.intermediate / dims.hidden / setup.tiled_mlp
 
 
+@dataclass(frozen=True)
+class SegmentTerms:
+    """The activations one segment of a training step holds at its peak, counted in a measured breakdown
+    (``benchmarks.breakdown.planner_terms``): ``(units + checkpoints + layers) sl_l h b + mlp_tiles rows_m I b +
+    loss_tiles rows_l V 4 + head_weights V h 4 + norm_units sl_l h 4``. ZeRO-3's gathered parameters are the
+    parameter term's. RMSNorm's tensors count at fp32 size whatever the activation dtype: measured in fp32 as two
+    per norm (its normalised input and output), in bf16 the norm keeps an fp32 upcast of its input beside
+    bf16 ones, the same bytes."""
+
+    units: float         # hidden-sized tensors per local token besides the checkpoints
+    checkpoints: float   # checkpointed hidden states beyond one per layer (the last layer's output, ...)
+    mlp_tiles: float     # [rows_m, I] tensors of the tiled MLP
+    loss_tiles: float    # [rows_l, V] fp32 tensors of the tiled loss
+    head_weights: float  # [V, h] fp32 tensors the loss computes: the lm_head's gradient (and its buffers)
+    norm_units: float = 0.0  # hidden-sized tensors per local token an RMSNorm holds (fp32-sized)
+
+
+RECIPES = ("ours", "deepspeed-alst")
+# ArcticTraining's tiled loss (DeepSpeed's ALST recipe): about 1 GiB of fp32 logits a tile
+_ARCTIC_LOSS_TILE_BYTES = GIB
+
+# Fitted by ``python -m benchmarks.breakdown --terms`` from benchmarks/results/breakdown.jsonl (the record named in
+# "source"): recipe -> "sp1" | "sp>1" (Ulysses' all-to-all buffers exist only with sp > 1) -> segment -> terms.
+MEASURED_TERMS: dict = {  # segment -> SegmentTerms(units, checkpoints, mlp_tiles, loss_tiles, head_weights, norm_units)
+    "source": ("benchmarks/results/breakdown.jsonl ("
+               "deepspeed-alst sp 1: 2026-12-02 16:39 at a561b25+changes, S 3072/4096/5120; "
+               "deepspeed-alst sp 2: 2026-12-02 16:17 at a561b25+changes, S 3072/4096/5120; "
+               "ours sp 1: 2026-12-02 16:31 at a561b25+changes, S 3072/4096/5120; "
+               "ours sp 2: 2026-12-02 16:24 at a561b25+changes, S 3072/4096/5120)"),
+    "terms": {
+        "deepspeed-alst": {
+            "sp1": {
+                "forward": SegmentTerms(4.75, 0.0, 0.0, 0.0, 0.0, 1.0),
+                "loss": SegmentTerms(1.25, 1.0, 0.0, 3.0, 0.0, 2.001),
+                "layer": SegmentTerms(5.758, 0.0, 7.0, 0.0, 0.0, 4.002),
+            },
+            "sp>1": {
+                "forward": SegmentTerms(0.0, -1.0, 0.0, 0.0, 0.0, 0.0),
+                "loss": SegmentTerms(1.25, 1.0, 0.0, 3.0, 0.0, 2.001),
+                "head backward": SegmentTerms(5.25, 1.0, 0.0, 0.0, 0.0, 0.0),
+                "layer": SegmentTerms(6.758, 0.0, 5.0, 0.0, 0.0, 4.002),
+            },
+        },
+        "ours": {
+            "sp1": {
+                "forward": SegmentTerms(4.75, 0.0, 0.0, 0.0, 0.0, 1.0),
+                "loss": SegmentTerms(1.252, 1.0, 0.0, 1.0, 2.0, 2.001),
+                "layer": SegmentTerms(5.758, 0.0, 7.0, 0.0, 0.0, 4.002),
+            },
+            "sp>1": {
+                "forward": SegmentTerms(0.0, -1.0, 0.0, 0.0, 0.0, 0.0),
+                "loss": SegmentTerms(1.256, 1.0, 0.0, 1.0, 2.0, 2.001),
+                "layer": SegmentTerms(6.762, 0.0, 4.994, 0.0, 0.0, 4.002),
+            },
+        },
+    },
+}
+
+
+def tile_rows(dims: ModelDims, setup: Setup) -> tuple[int, int]:
+    """(MLP tile rows, loss tile rows) on one rank: the setup's tile counts, or DeepSpeed's recipe's rules
+    (``ceil(sl_l / h)`` MLP tiles, about 1 GiB of fp32 logits a loss tile)."""
+    local = max(1, math.ceil(setup.local))
+    if setup.recipe == "deepspeed-alst":
+        mlp, loss = math.ceil(local / dims.hidden), max(1, math.ceil(local * dims.vocab * 4 / _ARCTIC_LOSS_TILE_BYTES))
+    else:
+        mlp, loss = setup.tiled_mlp, setup.tiled_loss
+    return math.ceil(local / mlp), math.ceil(local / loss)
+
+
+def tiled_attention_units(dims: ModelDims, shards: int) -> float:
+    """Hidden-sized tensors per token a layer's recompute and backward no longer holds when its attention runs
+    ``shards`` head groups one at a time (0 at 1 shard).
+
+    The full-sequence attention tensors of one layer: q and its head-sharded copy (2), k and v with theirs
+    (4 r, r = kv heads / heads) and the kernel's output with its all-to-all back (2); with ``shards`` groups
+    only one group's share of them is alive. An estimate until a tiled-attention record is measured: this is
+    the one function to replace with that record's fitted term.
+    """
+    if shards < 1:
+        raise ValueError(f"expected a positive tiled_attention shard count, got {shards}")
+    r = dims.kv_heads / dims.heads
+    return (2 + 4 * r + 2) * (1 - 1 / shards)
+
+
+# Elements of one tensor past which kernels that index with 32-bit integers fail: ALST's 1-GPU recipe dies at
+# 555K tokens of Llama-3.1-8B with an illegal memory access ([555K, 4096] passes 2**31), and its published maxima
+# (500K on 1, 3.7M on 8, 15M on 32 H100) all sit just under this wall (issue 67)
+INDEX_LIMIT = 1 << 31
+
+
+def largest_tensor(dims: ModelDims, setup: Setup) -> int:
+    """Elements of the largest activation one rank creates: a hidden-sized tensor of its tokens, q of its head
+    group over the whole sequence after the all-to-all (of one head group at a time with tiled attention),
+    an MLP tile's ``[rows, I]`` and a loss tile's ``[rows, V]``. With a ring the all-to-all spans the Ulysses
+    degree (sp / ring) and gathers the ring block's S / ring tokens."""
+    local = max(1, math.ceil(setup.local))
+    heads = math.ceil(dims.heads / (setup.sp // setup.ring) / setup.tiled_attention)
+    rows_m, rows_l = tile_rows(dims, setup)
+    return max(local * dims.hidden, local * dims.heads * dims.head_dim,
+               math.ceil(setup.seq_len / setup.ring) * heads * dims.head_dim,
+               rows_m * dims.intermediate, rows_l * dims.vocab)
+
+
+def _measured(dims: ModelDims, setup: Setup) -> dict | None:
+    """The fitted terms that apply to ``setup`` (checkpointing, a tiled MLP and a tiled loss), or None."""
+    if not (setup.checkpointing and setup.tiled_mlp > 1 and setup.tiled_loss > 1) and setup.recipe == "ours":
+        return None
+    if setup.recipe not in MEASURED_TERMS.get("terms", {}):
+        raise ValueError(f"expected a recipe in {sorted(MEASURED_TERMS.get('terms', {}))}, got {setup.recipe!r}")
+    return MEASURED_TERMS["terms"][setup.recipe]["sp1" if setup.sp == 1 else "sp>1"]
+
+
+def segment_peaks(dims: ModelDims, setup: Setup) -> dict[str, tuple[float, float]] | None:
+    """segment -> (device bytes, host bytes) at its peak on one rank, activations only, from the measured
+    terms; None where no record measures the setup. The checkpoints are on the host with checkpoint offload."""
+    measured = _measured(dims, setup)
+    if measured is None:
+        return None
+    b = setup.act_bytes
+    unit = setup.local * dims.hidden * b
+    rows_m, rows_l = tile_rows(dims, setup)
+    out = {}
+    for name, t in measured.items():
+        terms = t if isinstance(t, SegmentTerms) else SegmentTerms(**t)
+        units = terms.units - (tiled_attention_units(dims, setup.tiled_attention) if name == "layer" else 0.0)
+        ckpt = (terms.checkpoints + dims.layers) * unit
+        working = (units * unit + terms.mlp_tiles * rows_m * dims.intermediate * b
+                   + terms.loss_tiles * rows_l * dims.vocab * 4 + terms.head_weights * dims.vocab * dims.hidden * 4
+                   + terms.norm_units * setup.local * dims.hidden * 4)
+        out[name] = (working, ckpt) if setup.ckpt_offload else (working + ckpt, 0.0)
+    return out
+
+
+def step_peak(dims: ModelDims, setup: Setup) -> float:
+    """A training step's activation peak on one rank, device and host together: what ``benchmarks.breakdown``
+    measures on CPU (``activation_peak``: its largest segment, ZeRO-3's gathered parameters aside)."""
+    segments = segment_peaks(dims, setup)
+    if segments is None:
+        raise ValueError(f"no measured terms for {setup}: expected checkpointing with a tiled MLP and loss "
+                         "(recipe 'ours'), or recipe 'deepspeed-alst'")
+    return max(d + h for d, h in segments.values())
+
+
 def breakdown(dims: ModelDims, setup: Setup) -> dict[str, tuple[float, float]]:
-    """term -> (device bytes, host bytes) per rank."""
+    """term -> (device bytes, host bytes) per rank. Where measured terms apply, the activation rows are the
+    checkpoints and the largest segment's working set (:func:`segment_peaks`), the other segments'
+    working sets reported beside it at zero (they peak at other moments)."""
     n, p, b = setup.gpus, dims.params, setup.act_bytes
     u = setup.local * dims.hidden * b  # one hidden-sized activation on this rank
     param_bytes = 2 if b < 4 else 4
+    segments = segment_peaks(dims, setup)
     working = 2 * dims.layer_params * param_bytes + dims.vocab * dims.hidden * param_bytes  # gathered: 2 layers + head
     out = {"parameters (ZeRO-3)": (working + (0 if setup.offload_param else p * param_bytes / n),
                                    p * param_bytes / n if setup.offload_param else 0.0)}
     states = p * (12 if param_bytes < 4 else 8) / n + p * 4 / n  # fp32 master (bf16 only) + Adam m, v + fp32 grads
     out["gradients + optimizer states"] = (0.0, states) if setup.offload_optimizer else (states, 0.0)
+    if segments is not None:
+        saved = dims.layers * u
+        out["checkpointed layer inputs"] = (0.0, saved) if setup.ckpt_offload else (saved, 0.0)
+        on_device = {name: d - (0.0 if setup.ckpt_offload else saved) for name, (d, _) in segments.items()}
+        peak = max(on_device, key=on_device.get)
+        out[f"step working set (measured; peak: {peak})"] = (on_device[peak], 0.0)
+        return out
     per_layer = (layer_units(dims, setup) + mlp_units(dims, setup)) * u
     if setup.checkpointing:
         saved = dims.layers * u
@@ -200,26 +365,33 @@ def layer_traffic(dims: ModelDims, setup: Setup) -> dict[str, float]:
     return out
 
 
-def fits(dims: ModelDims, setup: Setup, gpu_mem: float, cpu_mem: float | None, overhead: float) -> bool:
+def fits(dims: ModelDims, setup: Setup, gpu_mem: float, cpu_mem: float | None, overhead: float,
+         gpus_per_node: int = 8, index_limit: int | None = INDEX_LIMIT) -> bool:
+    """Device: every term plus ``overhead``. Host (``cpu_mem``, per node): every rank's host terms on its node,
+    the offloaded checkpoints among them (one hidden-sized tensor per layer per token). No tensor past
+    ``index_limit`` elements (None: no limit)."""
+    if index_limit is not None and largest_tensor(dims, setup) > index_limit:
+        return False
     terms = breakdown(dims, setup)
     device = sum(d for d, _ in terms.values()) + overhead
-    host = sum(h for _, h in terms.values()) * min(setup.gpus, 8)  # host memory is per node of <= 8 GPUs
+    host = sum(h for _, h in terms.values()) * min(setup.gpus, gpus_per_node)
     return device <= gpu_mem and (cpu_mem is None or host <= cpu_mem)
 
 
-def _candidates(dims: ModelDims, seq_len: int, gpus: int, act_bytes: int):
-    """Every setup, cheapest first: small sp, then the switches ordered by what they cost in time."""
-    sps = [sp for sp in range(1, gpus + 1) if gpus % sp == 0]
+def _candidates(dims: ModelDims, seq_len: int, gpus: int, act_bytes: int, recipe: str = "ours"):
+    """Every setup, cheapest first: small sp, then the switches ordered by what they cost in time. DeepSpeed's
+    recipe has its tools always on (ArcticTraining's setup, the one measured) and no ring."""
+    sps = [sp for sp in range(1, gpus + 1) if gpus % sp == 0 and (recipe == "ours" or sp <= dims.heads)]
     out = []
     for sp, ckpt, mlp, loss, offload, opt, par in itertools.product(sps, (False, True), (False, True), (False, True),
                                                                      (False, True), (False, True), (False, True)):
-        if offload and not ckpt:
+        if (offload and not ckpt) or (recipe != "ours" and not (ckpt and mlp and loss)):
             continue
         local = max(1, seq_len // sp)
         ring = 1 if sp <= dims.heads else resolve_ring_size("auto", sp, [dims.heads], NODE_GPUS)
         setup = Setup(seq_len, gpus, sp, act_bytes, ckpt, offload,
                       auto_mlp_shards(local, dims.hidden) if mlp else 1,
-                      auto_loss_shards(local, dims.vocab) if loss else 1, opt, par, ring)
+                      auto_loss_shards(local, dims.vocab) if loss else 1, opt, par, ring, recipe=recipe)
         cost = (math.log2(sp) * 1.0 + math.log2(ring) * 0.5 + ckpt * 1.0 + mlp * 0.3 + loss * 0.1 + offload * 0.5
                 + opt * 0.6 + par * 2.0)
         out.append((cost, setup))
@@ -228,17 +400,21 @@ def _candidates(dims: ModelDims, seq_len: int, gpus: int, act_bytes: int):
 
 
 def recommend(dims: ModelDims, seq_len: int, gpus: int, gpu_mem: float, cpu_mem: float | None = None,
-              act_bytes: int = 2, overhead: float = 4 * GIB) -> Setup | None:
+              act_bytes: int = 2, overhead: float = 4 * GIB, recipe: str = "ours",
+              index_limit: int | None = INDEX_LIMIT) -> Setup | None:
     """The cheapest setup that fits, or None when nothing does."""
-    return next((s for s in _candidates(dims, seq_len, gpus, act_bytes) if fits(dims, s, gpu_mem, cpu_mem, overhead)),
-                None)
+    if recipe not in RECIPES:
+        raise ValueError(f"expected a recipe in {RECIPES}, got {recipe!r}")
+    return next((s for s in _candidates(dims, seq_len, gpus, act_bytes, recipe)
+                 if fits(dims, s, gpu_mem, cpu_mem, overhead, index_limit=index_limit)), None)
 
 
 def max_seq_len(dims: ModelDims, gpus: int, gpu_mem: float, cpu_mem: float | None = None, act_bytes: int = 2,
-                overhead: float = 4 * GIB) -> tuple[int, Setup | None]:
+                overhead: float = 4 * GIB, recipe: str = "ours",
+                index_limit: int | None = INDEX_LIMIT) -> tuple[int, Setup | None]:
     """The longest S (to 1K) that some setup fits, with every switch on and sp = gpus at the limit."""
     def ok(s):
-        return recommend(dims, s, gpus, gpu_mem, cpu_mem, act_bytes, overhead) is not None
+        return recommend(dims, s, gpus, gpu_mem, cpu_mem, act_bytes, overhead, recipe, index_limit) is not None
 
     lo, hi = 0, 1 << 10
     while ok(hi * 1024):
@@ -247,7 +423,7 @@ def max_seq_len(dims: ModelDims, gpus: int, gpu_mem: float, cpu_mem: float | Non
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid * 1024) else (lo, mid)
     s = lo * 1024
-    return s, (recommend(dims, s, gpus, gpu_mem, cpu_mem, act_bytes, overhead) if s else None)
+    return s, (recommend(dims, s, gpus, gpu_mem, cpu_mem, act_bytes, overhead, recipe, index_limit) if s else None)
 
 
 def cpu_rss(dims: ModelDims, seq_len: int, sp: int, section: dict, baseline: float) -> float:
@@ -309,7 +485,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", required=True, help="global sequence length (e.g. 500K), or 'max'")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs (ranks)")
     parser.add_argument("--gpu-mem", type=float, required=True, help="GiB per GPU")
-    parser.add_argument("--cpu-mem", type=float, help="host GiB per node (<= 8 GPUs each); unchecked if omitted")
+    parser.add_argument("--cpu-mem", type=float, help="host GiB per node (<= 8 GPUs each): offloaded optimizer "
+                                                      "states and checkpoints (one hidden-sized tensor per layer "
+                                                      "per token) of the node's ranks; unchecked if omitted")
+    parser.add_argument("--recipe", choices=RECIPES, default="ours",
+                        help="whose ALST tools the plan uses: ours (the section), or DeepSpeed's recipe "
+                             "(TiledMLP, TiledFusedLogitsLoss, checkpointing: ArcticTraining's setup), both from "
+                             "measured terms")
+    parser.add_argument("--past-int32", action="store_true",
+                        help="let tensors pass 2**31 elements (by default no plan has one: kernels indexing with "
+                             "32-bit integers fail there, as ALST's 1-GPU recipe does at 555K tokens)")
     parser.add_argument("--overhead", type=float, default=4.0, help="GiB per GPU for CUDA context, NCCL, fragmentation")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="activation dtype")
     parser.add_argument("--write", metavar="FILE", help="write the recommended {\"ulysses\": ..., "
@@ -326,12 +511,15 @@ def run_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--gpus and --gpu-mem must be positive, got {args.gpus} and {args.gpu_mem}")
         act = 2 if args.dtype == "bf16" else 4
         cpu = None if args.cpu_mem is None else args.cpu_mem * GIB
+        limit = None if args.past_int32 else INDEX_LIMIT
         if args.seq_len == "max":
-            seq_len, setup = max_seq_len(dims, args.gpus, args.gpu_mem * GIB, cpu, act, args.overhead * GIB)
+            seq_len, setup = max_seq_len(dims, args.gpus, args.gpu_mem * GIB, cpu, act, args.overhead * GIB,
+                                         args.recipe, limit)
             print(f"longest sequence that fits: {seq_len:,} tokens ({seq_len / 1024:.0f}K)")
         else:
             seq_len = parse_size(args.seq_len)
-            setup = recommend(dims, seq_len, args.gpus, args.gpu_mem * GIB, cpu, act, args.overhead * GIB)
+            setup = recommend(dims, seq_len, args.gpus, args.gpu_mem * GIB, cpu, act, args.overhead * GIB,
+                              args.recipe, limit)
     except ValueError as exc:
         print(f"ds-ulysses plan: {exc}", file=sys.stderr)
         return 2
@@ -349,6 +537,11 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"ring: sp={setup.sp} exceeds the model's {dims.heads} query heads, so sp = Ulysses "
               f"{setup.sp // setup.ring} x ring {setup.ring}; sent per layer and rank (forward + backward): Ulysses "
               f"all-to-all {traffic['ulysses'] / 2 ** 20:.1f} MiB, ring {traffic['ring'] / 2 ** 20:.1f} MiB")
+    measured = segment_peaks(dims, setup) is not None
+    print(f"recipe: {setup.recipe}; activation terms "
+          + (f"measured ({MEASURED_TERMS['source']})" if measured else "estimated (no record measures this setup)")
+          + f"; largest tensor {largest_tensor(dims, setup):,} elements (limit "
+          + ("none" if args.past_int32 else f"2**31 = {INDEX_LIMIT:,}") + ")")
     print(format_breakdown(dims, setup, args.overhead * GIB))
     config = {"ulysses": ulysses_section(setup),
               "zero_optimization": {"stage": 3, **({"offload_optimizer": {"device": "cpu"}} if setup.offload_optimizer

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..memory.tiled_heads import TiledHeads
 from ..patching import PATCHES
-from .model_facts import text_config
+from .model_facts import linear_width, text_config
 from .servable import decoder_of
 
 __all__ = ["tile_attention", "untile_attention", "plan_attention_tiling", "apply_attention_tiling", "attention_blocks",
@@ -89,14 +89,14 @@ def _block_layout(name: str, module: nn.Module, config) -> tuple[int, int, int, 
         or config.hidden_size // config.num_attention_heads
     hc = config.num_attention_heads
     hc_kv = getattr(config, "num_key_value_heads", None) or hc
-    expect = {"q_proj": ("out_features", hc * hs), "k_proj": ("out_features", hc_kv * hs),
-              "v_proj": ("out_features", hc_kv * hs), out: ("in_features", hc * hs)}
+    expect = {"q_proj": ("out", hc * hs), "k_proj": ("out", hc_kv * hs), "v_proj": ("out", hc_kv * hs),
+              out: ("in", hc * hs)}
     for p, (side, want) in expect.items():
-        got = getattr(getattr(module, p), side)
+        got = linear_width(getattr(module, p), side)
         if got != want:
             extra = " (a per-head output gate rides in q_proj)" if p == "q_proj" and got == 2 * want else ""
-            raise ValueError(f"{who}: {p}.{side} is {got}, expected {want} for {hc} query / {hc_kv} KV heads of "
-                             f"{hs}{extra}; {_FIX}")
+            raise ValueError(f"{who}: {p}.{side}_features is {got}, expected {want} for {hc} query / {hc_kv} KV "
+                             f"heads of {hs}{extra}; {_FIX}")
     for pname, param in module.named_parameters():
         owner, _, leaf = pname.partition(".")
         if owner in projections:
@@ -182,7 +182,7 @@ def _tiled_forward(module, forward, *args, **kwargs):
             except RuntimeError as err:  # a count of heads the block's forward takes from elsewhere
                 raise ValueError(
                     f"tiled_attention cannot split {type(mod).__name__} by heads: its forward failed on a group of "
-                    f"{mod.q_proj.out_features // hs} query heads ({err}); expected a forward that takes its head "
+                    f"{linear_width(mod.q_proj) // hs} query heads ({err}); expected a forward that takes its head "
                     f"counts from its projections or its num_heads / num_key_value_heads attributes; {_FIX}") from err
 
     params = [getattr(module, p).weight for p in projections] + \
@@ -217,7 +217,7 @@ class _Narrowing:
 
     def __init__(self, module, g: int, groups: int, ratio: int, hs: int, out: str):
         self.module = module
-        kv = module.k_proj.out_features // hs // groups  # KV heads per group
+        kv = linear_width(module.k_proj) // hs // groups  # KV heads per group
         q_rows = slice(g * kv * ratio * hs, (g + 1) * kv * ratio * hs)
         kv_rows = slice(g * kv * hs, (g + 1) * kv * hs)
         self.views = {"q_proj": _Narrowed(module.q_proj, rows=q_rows), "k_proj": _Narrowed(module.k_proj, rows=kv_rows),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..memory.tiles import weight_rows
 
-__all__ = ["text_config", "config_value", "vocab_size", "layout_facts", "base_model"]
+__all__ = ["text_config", "config_value", "vocab_size", "linear_width", "layout_facts", "base_model"]
 
 
 def config_value(config, name: str, default=None):
@@ -43,6 +43,12 @@ def vocab_size(model, output: bool = False) -> int | None:
     if rows is None:
         rows = config_value(text_config(model), "vocab_size")
     return rows if isinstance(rows, int) else None
+
+
+def linear_width(linear, side: str = "out") -> int:
+    """An ``nn.Linear``'s output (``side="out"``) or input width, from its attributes: whole also where ZeRO-3
+    has partitioned its weight."""
+    return getattr(linear, f"{side}_features")
 
 
 def layout_facts(model) -> dict:

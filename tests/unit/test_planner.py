@@ -8,8 +8,9 @@ import pytest
 
 from ds_ulysses import cli
 from ds_ulysses.config import UlyssesConfig, parse_ds_config
-from ds_ulysses.planner import (GIB, KNOWN_MODELS, Setup, breakdown, layer_traffic, load_dims, max_seq_len,
-                                recommend, ulysses_section)
+from ds_ulysses.planner import (GIB, INDEX_LIMIT, KNOWN_MODELS, Setup, breakdown, largest_tensor, layer_traffic,
+                                load_dims, max_seq_len, recommend, segment_peaks, tiled_attention_units,
+                                ulysses_section)
 
 LLAMA8B = KNOWN_MODELS["llama-3.1-8b"]
 
@@ -139,3 +140,44 @@ def test_layer_traffic_counts_what_leaves_a_rank():
     assert layer_traffic(dims, Setup(s, 4, 4, ring=4))["ulysses"] == 0.0
     assert [layer_traffic(dims, Setup(1024, 4, 4, act_bytes=4, ring=r))["ring"] for r in (2, 4)] == [524288, 1310720]
     assert breakdown(dims, Setup(s, 4, 4, ring=2))["ring blocks in flight"][0] > 0
+
+
+def test_host_budget_limits_checkpoint_offload():
+    """Checkpoint offload keeps one hidden-sized tensor per layer per token on the host: 8 ranks at 1M tokens
+    each hold 32 x 1M x 4096 x 2 bytes = 256 GiB apiece, 2 TiB on the node; a smaller host budget shortens the
+    longest sequence, and a plan's host total stays within it."""
+    free, _ = max_seq_len(LLAMA8B, 8, 80 * GIB)
+    for host_gib in (2048, 512):
+        seq_len, setup = max_seq_len(LLAMA8B, 8, 80 * GIB, host_gib * GIB)
+        host = sum(h for _, h in breakdown(LLAMA8B, setup).values()) * 8
+        assert host <= host_gib * GIB
+        assert seq_len <= free
+    assert max_seq_len(LLAMA8B, 8, 80 * GIB, 512 * GIB)[0] < max_seq_len(LLAMA8B, 8, 80 * GIB, 2048 * GIB)[0]
+
+
+def test_no_plan_passes_the_int32_index_limit_unless_allowed():
+    """ALST's published maxima sit under 2**31 elements per tensor: q over the whole sequence for one rank's
+    head group (S x heads / sp x head_dim) passes it at 4M tokens on 8 GPUs."""
+    limited, setup = max_seq_len(LLAMA8B, 8, 141 * GIB)
+    assert largest_tensor(LLAMA8B, setup) <= INDEX_LIMIT
+    assert limited <= INDEX_LIMIT // (LLAMA8B.heads // 8 * LLAMA8B.head_dim)
+    unlimited, setup = max_seq_len(LLAMA8B, 8, 141 * GIB, index_limit=None)
+    assert unlimited > limited and largest_tensor(LLAMA8B, setup) > INDEX_LIMIT
+
+
+def test_the_loss_and_the_layers_peak_apart():
+    """Measured terms: the step's working set is its largest segment, not the sum of the loss's and a layer's."""
+    setup = Setup(1 << 20, 8, 8, ckpt_offload=True, tiled_mlp=32, tiled_loss=512)
+    segments = segment_peaks(LLAMA8B, setup)
+    working = [v for k, v in breakdown(LLAMA8B, setup).items() if k.startswith("step working set")]
+    assert working == [(max(d for d, _ in segments.values()), 0.0)]
+    assert working[0][0] < sum(d for d, _ in segments.values())
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4, 8])
+def test_tiled_attention_term_is_one_function_of_the_shards(shards):
+    base = Setup(1 << 20, 8, 8, ckpt_offload=True, tiled_mlp=32, tiled_loss=512)
+    tiled = Setup(1 << 20, 8, 8, ckpt_offload=True, tiled_mlp=32, tiled_loss=512, tiled_attention=shards)
+    saved = segment_peaks(LLAMA8B, base)["layer"][0] - segment_peaks(LLAMA8B, tiled)["layer"][0]
+    assert saved == pytest.approx(tiled_attention_units(LLAMA8B, shards) * (1 << 17) * LLAMA8B.hidden * 2)
+    assert (saved == 0) == (shards == 1)
