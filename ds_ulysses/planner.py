@@ -47,6 +47,7 @@ from pathlib import Path
 from .config import resolve_ring_size
 from .constants import GIB
 from .memory.tiles import auto_loss_shards, auto_mlp_shards
+from .sp.heads import plan_attention_groups
 
 __all__ = ["parse_size", "ModelDims", "Setup", "KNOWN_MODELS", "load_dims", "layer_units", "SegmentTerms",
            "MEASURED_TERMS", "RECIPES", "tile_rows", "tiled_attention_units", "INDEX_LIMIT", "largest_tensor",
@@ -383,17 +384,22 @@ def _candidates(dims: ModelDims, seq_len: int, gpus: int, act_bytes: int, recipe
     recipe has its tools always on (ArcticTraining's setup, the one measured) and no ring."""
     sps = [sp for sp in range(1, gpus + 1) if gpus % sp == 0 and (recipe == "ours" or sp <= dims.heads)]
     out = []
-    for sp, ckpt, mlp, loss, offload, opt, par in itertools.product(sps, (False, True), (False, True), (False, True),
-                                                                     (False, True), (False, True), (False, True)):
-        if (offload and not ckpt) or (recipe != "ours" and not (ckpt and mlp and loss)):
+    for sp, ckpt, mlp, loss, offload, opt, par, att in itertools.product(
+            sps, (False, True), (False, True), (False, True), (False, True), (False, True), (False, True),
+            (False, True)):
+        if (offload and not ckpt) or (recipe != "ours" and (not (ckpt and mlp and loss) or att)):
             continue
         local = max(1, seq_len // sp)
         ring = 1 if sp <= dims.heads else resolve_ring_size("auto", sp, [dims.heads], NODE_GPUS)
+        groups = plan_attention_groups(dims.heads, dims.kv_heads, sp // ring) if att else 1
+        if att and groups == 1:
+            continue  # no split of the heads: the same setup as without
         setup = Setup(seq_len, gpus, sp, act_bytes, ckpt, offload,
                       auto_mlp_shards(local, dims.hidden) if mlp else 1,
-                      auto_loss_shards(local, dims.vocab) if loss else 1, opt, par, ring, recipe=recipe)
-        cost = (math.log2(sp) * 1.0 + math.log2(ring) * 0.5 + ckpt * 1.0 + mlp * 0.3 + loss * 0.1 + offload * 0.5
-                + opt * 0.6 + par * 2.0)
+                      auto_loss_shards(local, dims.vocab) if loss else 1, opt, par, ring, recipe=recipe,
+                      tiled_attention=groups)
+        cost = (math.log2(sp) * 1.0 + math.log2(ring) * 0.5 + ckpt * 1.0 + mlp * 0.3 + att * 0.4 + loss * 0.1
+                + offload * 0.5 + opt * 0.6 + par * 2.0)
         out.append((cost, setup))
     out.sort(key=lambda cs: cs[0])
     return [s for _, s in out]
@@ -462,6 +468,8 @@ def ulysses_section(setup: Setup) -> dict:
         "sequence_parallel_size": setup.sp,
         **({"ring_size": setup.ring} if setup.ring > 1 else {}),
         "tiled_mlp": {"enabled": setup.tiled_mlp > 1, "shards": setup.tiled_mlp if setup.tiled_mlp > 1 else "auto"},
+        "tiled_attention": {"enabled": setup.tiled_attention > 1,
+                            "shards": setup.tiled_attention if setup.tiled_attention > 1 else "auto"},
         "tiled_loss": {"enabled": setup.tiled_loss > 1, "shards": setup.tiled_loss if setup.tiled_loss > 1 else "auto"},
         "activation_checkpoint_offload": {"enabled": setup.ckpt_offload},
     }

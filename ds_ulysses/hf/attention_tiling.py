@@ -25,11 +25,11 @@ from torch import nn
 
 from ..memory.tiled_heads import TiledHeads
 from ..patching import PATCHES
+from ..sp.heads import plan_attention_groups
 from .model_facts import linear_width, text_config
 from .servable import decoder_of
 
-__all__ = ["tile_attention", "untile_attention", "plan_attention_tiling", "apply_attention_tiling", "attention_blocks",
-           "plan_attention_groups"]
+__all__ = ["tile_attention", "untile_attention", "plan_attention_tiling", "apply_attention_tiling", "attention_blocks"]
 
 _TAG = "tiled_attention"
 _INPUTS = ("q_proj", "k_proj", "v_proj")
@@ -47,23 +47,6 @@ def attention_blocks(model) -> list[tuple[str, nn.Module]]:
         if type(module).__name__.endswith("Attention") and not any(name.startswith(f"{n}.") for n, _ in found):
             found.append((name, module))
     return found
-
-
-def plan_attention_groups(num_heads: int, num_kv_heads: int, sp: int, shards="auto") -> int:
-    """How many head groups: ``shards`` checked, or with "auto" the most groups whose query heads still
-    split evenly over the ``sp`` ranks (every group holds whole KV groups: G divides hc_kv). More groups hold
-    fewer heads' full-sequence tensors at once; each costs two all-to-alls of its own."""
-    valid = [g for g in range(1, num_kv_heads + 1) if num_kv_heads % g == 0 and num_heads // g >= sp]
-    if shards == "auto":
-        even = [g for g in valid if (num_heads // g) % sp == 0]
-        return max(even or valid)
-    if shards not in valid:
-        raise ValueError(
-            f"tiled_attention shards={shards!r} cannot split {num_heads} query / {num_kv_heads} KV heads at sp {sp}: "
-            f"each group must hold whole KV groups (the count divides {num_kv_heads}) and at least one query head "
-            f"per SP rank ({num_heads} / count >= {sp}); expected one of {valid}; fix: set \"shards\" to one of "
-            f"them, or \"auto\"")
-    return shards
 
 
 def _block_layout(name: str, module: nn.Module, config) -> tuple[int, int, int, str]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HeadPlan", "plan_heads"]
+__all__ = ["HeadPlan", "plan_heads", "plan_attention_groups"]
 
 
 @dataclass(frozen=True)
@@ -55,3 +55,19 @@ def plan_heads(num_heads: int, num_kv_heads: int, world_size: int) -> HeadPlan:
         q_heads.append(mine)
     return HeadPlan(tuple(q_heads), tuple(kv_heads))
 
+
+def plan_attention_groups(num_heads: int, num_kv_heads: int, sp: int, shards="auto") -> int:
+    """How many head groups: ``shards`` checked, or with "auto" the most groups whose query heads still
+    split evenly over the ``sp`` ranks (every group holds whole KV groups: G divides hc_kv). More groups hold
+    fewer heads' full-sequence tensors at once; each costs two all-to-alls of its own."""
+    valid = [g for g in range(1, num_kv_heads + 1) if num_kv_heads % g == 0 and num_heads // g >= sp]
+    if shards == "auto":
+        even = [g for g in valid if (num_heads // g) % sp == 0]
+        return max(even or valid)
+    if shards not in valid:
+        raise ValueError(
+            f"tiled_attention shards={shards!r} cannot split {num_heads} query / {num_kv_heads} KV heads at sp {sp}: "
+            f"each group must hold whole KV groups (the count divides {num_kv_heads}) and at least one query head "
+            f"per SP rank ({num_heads} / count >= {sp}); expected one of {valid}; fix: set \"shards\" to one of "
+            f"them, or \"auto\"")
+    return shards

@@ -23,7 +23,7 @@ LAYERS = {
     "memory": {"constants", "patching", "config", "distributed"},
     "hf": {"constants", "patching", "config", "distributed", "sp", "memory"},
     "engine": {"constants", "patching", "config", "distributed", "sp", "memory", "hf"},
-    "planner": {"constants", "config", "memory"},
+    "planner": {"constants", "config", "sp", "memory"},
     "train": {"constants", "patching", "config", "distributed", "sp", "memory", "hf", "engine", "planner"},
     "cli": {"config", "distributed", "planner", "train"},
     "__init__": {"constants", "patching", "config", "distributed", "sp", "memory", "hf", "engine"},

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ds_ulysses
-from ds_ulysses.hf.attention_tiling import attention_blocks, plan_attention_groups, tile_attention, untile_attention
+from ds_ulysses.hf.attention_tiling import attention_blocks, tile_attention, untile_attention
 from ds_ulysses.memory import tiled_heads
 
 from tests.support.models import rel_err, tiny_config, tiny_model
@@ -86,17 +86,6 @@ def test_a_cache_made_while_training_gets_no_tiled_entries():
     tile_attention(model)
     out = model(input_ids=torch.randint(0, 128, (1, 10)), use_cache=True)
     assert out.past_key_values is None or out.past_key_values.get_seq_length() == 0
-
-
-def test_auto_takes_the_most_groups_that_split_evenly_over_the_sp_ranks():
-    assert plan_attention_groups(32, 8, 1) == 8
-    assert plan_attention_groups(32, 8, 8) == 4      # 8 query heads a group, one per rank
-    assert plan_attention_groups(8, 2, 2) == 2
-    assert plan_attention_groups(14, 2, 4) == 2      # uneven over 4 ranks whole or halved: the most groups
-    assert plan_attention_groups(4, 4, 1, 2) == 2
-    with pytest.raises(ValueError, match=r"tiled_attention shards=3 cannot split 8 query / 2 KV heads at sp 2: .*"
-                                         r"expected one of \[1, 2\]; fix"):
-        plan_attention_groups(8, 2, 2, 3)
 
 
 @pytest.mark.parametrize("family,extra,message", [
