@@ -34,7 +34,8 @@ import torch
 from .checkpoint import MANIFEST, CheckpointError, _fsync_dir, _sha256, safe_torch_load
 
 __all__ = ["MIN_DEEPSPEED", "UNIVERSAL_TAG", "launch_rank", "launch_world_size", "require_deepspeed",
-           "convert", "convert_checkpoint", "verify_universal", "ensure_universal", "restore_param_groups"]
+           "convert", "convert_checkpoint", "verify_universal", "ensure_universal", "restore_param_groups",
+           "add_arguments", "run_command"]
 
 MIN_DEEPSPEED = "0.18.0"  # ZeRO-3 universal loads at a larger world size fail before it
 UNIVERSAL_TAG = "universal"
@@ -114,6 +115,9 @@ def convert_checkpoint(path) -> Path:
     path = Path(path)
     require_deepspeed("load the checkpoint at the world size that wrote it")
     if (path / MANIFEST).is_file():
+        if (path / UNIVERSAL_TAG / UNIVERSAL_MANIFEST).is_file():
+            verify_universal(path / UNIVERSAL_TAG)
+            return path / UNIVERSAL_TAG
         return convert(path / "ds", path / UNIVERSAL_TAG)
     latest = path / "latest"
     if not latest.is_file():
@@ -183,3 +187,34 @@ def restore_param_groups(engine, universal: Path) -> int:
         step = state[kept["params"][0]]["step"]
         base.state[flat]["step"] = step.clone() if torch.is_tensor(step) else step
     return len(groups)
+
+
+def add_arguments(parser) -> None:
+    """``ds-ulysses universal CHECKPOINT``."""
+    parser.add_argument("checkpoint", metavar="CHECKPOINT",
+                        help="a training-app checkpoint (step_* or a run's checkpoints/, its latest complete one), "
+                             "or a DeepSpeed checkpoint directory with a 'latest' file (HF Trainer: checkpoint-N)")
+
+
+def run_command(args) -> int:
+    """Convert in this one process (no GPU, no process group); exit 0, or 2 with the reason on stderr."""
+    import sys
+
+    from .checkpoint import find_checkpoint, verify_checkpoint
+
+    path = Path(args.checkpoint)
+    try:
+        if not (path / "latest").is_file():
+            path = find_checkpoint(path)
+            verify_checkpoint(path)
+        out = convert_checkpoint(path)
+    except (CheckpointError, FileNotFoundError) as exc:
+        print(f"universal: {exc}", file=sys.stderr)
+        return 2
+    if (path / MANIFEST).is_file():
+        how = "examples/train.py --resume loads it on any world size"
+    else:
+        how = ("load it with \"checkpoint\": {\"load_universal\": true} in the DeepSpeed config (it reads "
+               "latest_universal); see docs/resume.md for the per-group repair")
+    print(f"converted {path} -> {out}: {how}")
+    return 0
