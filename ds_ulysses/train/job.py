@@ -3,8 +3,9 @@ the DeepSpeed config's ``"ulysses"`` section, with checkpoints, resume and the h
 
 With no --data it trains on the Python standard library's source (bytes, packed into --seq-len
 documents) with a tiny Llama; it prints a line per step, saves a checkpoint every --save-every steps
-under OUT/checkpoints (--resume continues from the latest complete one), and ends with the held-out
-loss by token position in OUT/eval/ (CSV and PNG).
+under OUT/checkpoints (--resume continues from the latest complete one, on this mesh or another with
+the same global batch: docs/resume.md), and ends with the held-out loss by token position in OUT/eval/
+(CSV and PNG).
 """
 
 import argparse
@@ -25,7 +26,7 @@ from . import checkpoint as ckpt
 from .corpus import PackedSamples, file_texts, load_tokenizer, stdlib_texts
 from .evaluate import buckets_arg, evaluate_positions
 from .progress import ProgressLine
-from .position import Layout, advance, continue_position, samples_needed, start_position
+from .position import Layout, advance, ranks, continue_position, samples_needed, start_position
 from .recipe import build_model, set_cpu_threads
 from .universal import ensure_universal, launch_world_size, restore_param_groups
 
@@ -90,8 +91,8 @@ def _resume_line(manifest, directory, layout: Layout, position: dict, universal)
               "group's step and hyperparameters restored" if universal is not None
               else "DeepSpeed's own load (same ZeRO partitioning)")
     return (f"resume: step {manifest.step} of {directory}, written on dp {manifest.dp} x sp {manifest.sp} "
-            f"({manifest.world_size} ranks), continues on dp {layout.dp} x sp {layout.sp} ({layout.world_size} ranks): "
-            f"{loaded}; data continues after {position['samples_consumed']} trained samples (global batch "
+            f"({ranks(manifest.world_size)}), continues on dp {layout.dp} x sp {layout.sp} "
+            f"({ranks(layout.world_size)}): {loaded}; data continues after {position['samples_consumed']} trained samples (global batch "
             f"{position['global_batch']}, {position['held_out_samples']} held out)")
 
 

@@ -26,7 +26,11 @@ from dataclasses import dataclass
 
 from .checkpoint import CheckpointError
 
-__all__ = ["Layout", "start_position", "advance", "samples_needed", "is_prefix", "continue_position"]
+__all__ = ["ranks", "Layout", "start_position", "advance", "samples_needed", "is_prefix", "continue_position"]
+
+
+def ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ class Layout:
         return self.dp * self.micro_batch * self.grad_accum
 
     def describe(self) -> str:
-        return (f"dp {self.dp} x sp {self.sp} on {self.world_size} ranks, micro batch {self.micro_batch}, "
+        return (f"dp {self.dp} x sp {self.sp} on {ranks(self.world_size)}, micro batch {self.micro_batch}, "
                 f"gradient_accumulation_steps {self.grad_accum}")
 
     @classmethod

@@ -149,7 +149,8 @@ def test_four_ranks_at_sp4_load_the_universal_conversion(mesh_tmp, tiny_model_di
 def test_changed_global_batch_refused_unless_allowed(mesh_tmp, two):
     for rank in two:
         assert rank["refused"].startswith("global batch: the checkpoint trained 2 samples per step")
-        assert "fix: set gradient_accumulation_steps to 1 for this mesh, or pass --allow-batch-change" in rank["refused"]
+        assert ("fix: set gradient_accumulation_steps to 1 for this mesh, or pass --allow-batch-change"
+                in rank["refused"])
         assert sorted(rank["changed"]) == [5]
     manifest = json.loads((mesh_tmp / "changed" / "checkpoints" / "step_00000005" / "manifest.json").read_text())
     assert manifest["data"]["samples_consumed"] == 8 + 4 and manifest["data"]["global_batch"] == 4

@@ -1,8 +1,10 @@
 """DeepSpeed's ZeRO-3 universal load with two parameter groups, and :func:`restore_param_groups`.
 
 Two groups with different hyperparameters (weight decay 0.5 and 0.0, as HF Trainer's decay /
-no-decay split) train 4 steps on 2 gloo ranks, are saved, converted with ``ds_to_universal`` and loaded
-on one rank. The reference is an uninterrupted run of 8 steps on one rank with the same global batch
+no-decay split) train 4 steps on 2 gloo ranks, are saved as HF Trainer saves (``global_step4`` named by
+``latest``), converted by ``ds-ulysses universal`` (``global_step4_universal`` named by
+``latest_universal``) and loaded on one rank by DeepSpeed's ``load_checkpoint(dir)`` without a tag, as
+the Trainer calls it. The reference is an uninterrupted run of 8 steps on one rank with the same global batch
 (2 samples: one per rank there, one micro-batch of both here; ZeRO averages over the ranks).
 
 Pinned: DeepSpeed's own load gives group 1 group 0's weight decay and one step tensor shared by both
@@ -58,7 +60,7 @@ def _save(rank, world_size, directory):
     engine = _engine()
     for step in range(1, SAVED + 1):
         _step(engine, step)
-    engine.save_checkpoint(directory, tag="ds")
+    engine.save_checkpoint(directory, tag=f"global_step{SAVED}")
 
 
 def _state(engine):
@@ -76,11 +78,11 @@ def _one_rank(rank, world_size, directory):
     results = {"expected": expected}
     for repaired in (False, True):
         engine = _engine(load_universal=True)
-        engine.load_checkpoint(directory, tag="universal")
+        engine.load_checkpoint(directory)
         decay, steps = _state(engine)
         raw = {"decay": decay, "shared_step": steps[0] is steps[1]}
         if repaired:
-            assert restore_param_groups(engine, Path(directory) / "universal") == 2
+            assert restore_param_groups(engine, Path(directory) / f"global_step{SAVED}_universal") == 2
         decay, steps = _state(engine)
         losses = {step: _step(engine, step) for step in range(SAVED + 1, STEPS + 1)}
         results[repaired] = {"raw": raw, "decay": decay, "steps": [float(s) for s in _state(engine)[1]],
@@ -89,10 +91,10 @@ def _one_rank(rank, world_size, directory):
 
 
 def test_restore_param_groups_repairs_deepspeeds_zero3_universal_load(tmp_path):
-    from ds_ulysses.train.universal import convert
+    from ds_ulysses.cli import main
 
     run_distributed(_save, 2, str(tmp_path), timeout=600)
-    convert(tmp_path / "ds", tmp_path / "universal")
+    assert main(["universal", str(tmp_path)]) == 0
     res = run_distributed(_one_rank, 1, str(tmp_path), timeout=600)[0]
     expected = res["expected"]
     for repaired in (False, True):  # DeepSpeed's own load, before any repair: the defects this works around

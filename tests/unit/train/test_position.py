@@ -69,8 +69,8 @@ def test_changed_global_batch_is_refused_with_the_setting_that_keeps_it():
     with pytest.raises(CheckpointError, match=r"global batch: the checkpoint trained 1 samples per step .* this job 2 "
                                               r".*fix: launch a mesh whose dp divides 1"):
         continue_position(saved, saved_layout, Layout(2, 1, 1, 1))
-    with pytest.raises(CheckpointError, match=r"fix: choose train_micro_batch_size_per_gpu x gradient_accumulation_steps"
-                                              r" = 2 for this mesh"):
+    with pytest.raises(CheckpointError, match=r"fix: choose train_micro_batch_size_per_gpu x "
+                                              r"gradient_accumulation_steps = 2 for this mesh"):
         continue_position(start_position(Layout(1, 1, 1, 4), 0), Layout(1, 1, 1, 4), Layout(2, 1, 3, 1))
     with pytest.raises(CheckpointError, match="fix: set gradient_accumulation_steps to 2 for this mesh, or pass "
                                               "--allow-batch-change"):
