@@ -45,6 +45,17 @@ def _train(config, out, model_dir, *extra):
     return _run(config, out, model_dir, *extra)["losses"]
 
 
+def _resume_lines(config, out, model_dir, *extra):
+    """The losses, and the lines starting with "resume:" that the run printed (rank 0 prints one)."""
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        losses = _train(config, out, model_dir, *extra)
+    return losses, [line for line in printed.getvalue().splitlines() if line.startswith("resume:")]
+
+
 def _refusal(fn):
     from ds_ulysses.train.checkpoint import CheckpointError
 
@@ -63,21 +74,22 @@ def _two_ranks(rank, world_size, tmp, model_dir):
     source = _train(sp2, f"{tmp}/source", model_dir)
     step4 = f"{tmp}/source/checkpoints/step_00000004"
     reference = _train(sp1, f"{tmp}/dp2", model_dir, "--eval-samples", "2")
-    resumed = _train(sp1, f"{tmp}/dp2_resumed", model_dir, "--resume", step4)
+    resumed, lines = _resume_lines(sp1, f"{tmp}/dp2_resumed", model_dir, "--resume", step4)
     converted = Path(step4, "universal").exists()
     gas2 = _config(Path(tmp) / "sp1_gas2.json", 1, 2)
     refused = _refusal(lambda: _train(gas2, f"{tmp}/refused", model_dir, "--resume", step4))
     dist.barrier()
     changed = _train(gas2, f"{tmp}/changed", model_dir, "--resume", step4, "--allow-batch-change", "--steps", "5")
     return {"source": source, "reference": reference, "resumed": resumed, "converted": converted, "refused": refused,
-            "changed": changed}
+            "changed": changed, "lines": lines}
 
 
 def _one_rank(rank, world_size, tmp, model_dir):
     one = _config(Path(tmp) / "one.json", 1, 2)
     reference = _train(one, f"{tmp}/one", model_dir, "--eval-samples", "2")
-    resumed = _train(one, f"{tmp}/one_resumed", model_dir, "--resume", f"{tmp}/source/checkpoints/step_00000004")
-    return {"reference": reference, "resumed": resumed}
+    resumed, lines = _resume_lines(one, f"{tmp}/one_resumed", model_dir, "--resume",
+                                   f"{tmp}/source/checkpoints/step_00000004")
+    return {"reference": reference, "resumed": resumed, "lines": lines}
 
 
 def _grown_from_one_rank(rank, world_size, tmp, model_dir):
@@ -122,10 +134,17 @@ def test_same_world_other_split_loads_without_conversion(two):
     for rank in two:
         _assert_continues(rank["resumed"], rank["reference"])
         assert not rank["converted"]
+    assert two[1]["lines"] == []
+    (line,) = two[0]["lines"]
+    assert "written on dp 1 x sp 2 (2 ranks), continues on dp 2 x sp 1 (2 ranks): DeepSpeed's own load" in line
+    assert line.endswith("data continues after 8 trained samples (global batch 2, 2 held out)")
 
 
 def test_fewer_ranks_load_the_universal_conversion(mesh_tmp, one):
     _assert_continues(one[0]["resumed"], one[0]["reference"])
+    (line,) = one[0]["lines"]
+    assert ("continues on dp 1 x sp 1 (1 rank): converted once to DeepSpeed's universal form (universal/) and "
+            "loaded it, each optimizer group's step and hyperparameters restored") in line
     step4 = mesh_tmp / "source" / "checkpoints" / "step_00000004"
     assert (step4 / "universal" / "universal.json").is_file() and not (step4 / ".universal.tmp").exists()
 
