@@ -77,12 +77,12 @@ def _prepare_universal(manifest, directory, ds_config: dict, world: int):
     if manifest.zero_partitions == world:
         return None
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if stage != 3:
+    if stage not in (1, 2, 3):
         raise ckpt.CheckpointError(
-            f"checkpoint {directory} was partitioned by ZeRO over {manifest.zero_partitions} ranks and this job has "
-            f"{world}; a resume at another world size is supported (and tested) under ZeRO-3, this config has "
-            f"zero_optimization.stage {stage}; fix: launch {manifest.zero_partitions} ranks (any dp x sp split) or "
-            "train under ZeRO-3")
+            f"checkpoint {directory} was written by {manifest.zero_partitions} ranks and this job has {world}; a resume "
+            f"at another world size goes through DeepSpeed's universal checkpoint, which converts ZeRO stages 1-3, "
+            f"and this config has zero_optimization.stage {stage}; fix: launch {manifest.zero_partitions} ranks "
+            "(any dp x sp split) or train under ZeRO 1-3")
     return ensure_universal(directory, manifest.zero_partitions)
 
 
@@ -134,7 +134,7 @@ def train(argv=None) -> dict:
     trainer, _, loader, _ = engine.initialize(model=model, config=config, training_data=train_set)
     if manifest is not None:
         ckpt.load_checkpoint(trainer, resume_dir, manifest, tag=None if universal is None else universal.name)
-        if universal is not None:
+        if universal is not None and trainer.zero_optimization_stage() == 3:  # ZeRO-1/2's load is per group
             restore_param_groups(trainer, universal)
         for _ in range(position["skip_micro_batches"]):
             next(loader)

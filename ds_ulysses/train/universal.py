@@ -12,7 +12,8 @@ cannot time out a collective the other ranks wait in. It writes into a temporary
 it into place after its own manifest (``universal.json``, checksums like the checkpoint's) was written,
 so a conversion killed half way leaves the checkpoint as it was and the next attempt starts over.
 
-DeepSpeed's ZeRO-3 universal load (0.18-0.19) restores the first parameter group only: every group
+DeepSpeed's ZeRO-3 universal load (0.18-0.19) restores the first parameter group only (its ZeRO-1/2
+load restores each group): every group
 gets group 0's hyperparameters (weight decay ``[0.5, 0.0]`` came back ``[0.5, 0.5]``) and one shared
 Adam ``step`` tensor, which an optimizer that steps tensors in place then advances once per group
 (4 steps after a resume read 12, not 8). :func:`restore_param_groups` puts each group's own back.
@@ -78,8 +79,10 @@ def convert(source: Path, target: Path) -> Path:
 
     tmp = target.parent / f".{target.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # a conversion that was killed part way
+    # inject_missing_state: ZeRO-1/2 checkpoints of a model without tensor parallelism carry no
+    # universal_checkpoint_info; the converter then records just its format version
     args = argparse.Namespace(input_folder=str(source), output_folder=str(tmp), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):

@@ -3,10 +3,10 @@
 A run of 8 steps at dp 1 x sp 2 (gradient accumulation 2: global batch 2) saves at step 4; the
 checkpoint is resumed at dp 2 x sp 1 (same world: DeepSpeed's ordinary load), on one rank and at
 dp 1 x sp 4 (other worlds: the universal conversion), and a one-rank run's step 4 at dp 1 x sp 2
-(growth). Steps 5-8 of each resume are compared with an uninterrupted run of 8 steps at the new mesh.
+(growth). Under ZeRO-2 (optimizer offload) the same dp 1 x sp 2 checkpoint is resumed on one rank. Steps 5-8 of each resume are compared with an uninterrupted run of 8 steps at the new mesh.
 
-Tolerance: 5e-7 relative, about 5x the largest difference measured here (dp 2 x sp 1 and one rank:
-0.0; dp 1 x sp 4: 4.5e-8; one rank -> dp 1 x sp 2: 8.9e-8). The resumed run and the uninterrupted
+Tolerance: 5e-7 relative, about 5x the largest difference measured here (dp 2 x sp 1 and one rank,
+ZeRO-3 and ZeRO-2: 0.0; dp 1 x sp 4: 4.5e-8; one rank -> dp 1 x sp 2: 8.9e-8). The resumed run and the uninterrupted
 one at the new mesh differ only in where steps 1-4 ran: the old mesh reduces each gradient in another
 order (ZeRO-3's reduce-scatter over 2 ranks vs accumulation on one), so their weights after step 4 may
 differ by fp32 rounding, which steps 5-8 carry along. A wrong optimizer state (Adam's step off by one
@@ -28,10 +28,12 @@ STEPS = 8
 TOLERANCE = 5e-7
 
 
-def _config(path: Path, sp: int, grad_accum: int) -> str:
+def _config(path: Path, sp: int, grad_accum: int, zero2: bool = False) -> str:
     config = json.loads(CONFIG.read_text())
     config["ulysses"]["sequence_parallel_size"] = sp
     config["gradient_accumulation_steps"] = grad_accum
+    if zero2:
+        config["zero_optimization"] = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}}
     path.write_text(json.dumps(config))
     return str(path)
 
@@ -105,6 +107,17 @@ def _four_ranks(rank, world_size, tmp, model_dir):
     return {"reference": reference, "resumed": resumed["losses"], "eval_tokens": int(resumed["eval"].counts.sum())}
 
 
+def _zero2_source(rank, world_size, tmp, model_dir):
+    return _train(_config(Path(tmp) / "z2_sp2.json", 2, 2, zero2=True), f"{tmp}/z2_source", model_dir, "--steps", "4")
+
+
+def _zero2_one_rank(rank, world_size, tmp, model_dir):
+    one = _config(Path(tmp) / "z2_one.json", 1, 2, zero2=True)
+    reference = _train(one, f"{tmp}/z2_one", model_dir, "--eval-samples", "2", "--save-every", "0")
+    resumed = _train(one, f"{tmp}/z2_resumed", model_dir, "--resume", f"{tmp}/z2_source/checkpoints/step_00000004")
+    return {"reference": reference, "resumed": resumed}
+
+
 @pytest.fixture(scope="module")
 def mesh_tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("mesh")
@@ -163,6 +176,13 @@ def test_four_ranks_at_sp4_load_the_universal_conversion(mesh_tmp, tiny_model_di
     for rank in four:
         _assert_continues(rank["resumed"], rank["reference"])
         assert rank["eval_tokens"] == 2 * (SEQ - 1)
+
+
+def test_zero2_fewer_ranks_load_the_universal_conversion(tmp_path, tiny_model_dir):  # noqa: F811
+    run_distributed(_zero2_source, 2, str(tmp_path), str(tiny_model_dir), timeout=900)
+    (one,) = run_distributed(_zero2_one_rank, 1, str(tmp_path), str(tiny_model_dir), timeout=900)
+    _assert_continues(one["resumed"], one["reference"])
+    assert (tmp_path / "z2_source" / "checkpoints" / "step_00000004" / "universal" / "universal.json").is_file()
 
 
 def test_changed_global_batch_refused_unless_allowed(mesh_tmp, two):

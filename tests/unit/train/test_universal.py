@@ -23,12 +23,12 @@ def test_deepspeed_too_old_is_refused_with_both_fixes(monkeypatch, tmp_path):
         universal.convert_checkpoint(tmp_path)
 
 
-def test_a_world_change_outside_zero3_is_refused(tmp_path):
+def test_a_world_change_without_zero_is_refused(tmp_path):
     manifest = SimpleNamespace(zero_partitions=2)
-    assert _prepare_universal(manifest, tmp_path, {"zero_optimization": {"stage": 2}}, 2) is None  # same world
-    with pytest.raises(CheckpointError, match=r"partitioned by ZeRO over 2 ranks and this job has 4; .* "
-                                              r"zero_optimization.stage 2; fix: launch 2 ranks"):
-        _prepare_universal(manifest, tmp_path, {"zero_optimization": {"stage": 2}}, 4)
+    assert _prepare_universal(manifest, tmp_path, {"zero_optimization": {"stage": 0}}, 2) is None  # same world
+    with pytest.raises(CheckpointError, match=r"written by 2 ranks and this job has 4; .* converts ZeRO stages 1-3, "
+                                              r"and this config has zero_optimization.stage 0; fix: launch 2 ranks"):
+        _prepare_universal(manifest, tmp_path, {}, 4)
 
 
 def test_neither_app_nor_deepspeed_checkpoint_is_refused(tmp_path):
