@@ -26,7 +26,7 @@ from . import checkpoint as ckpt
 from .corpus import PackedSamples, file_texts, load_tokenizer, stdlib_texts
 from .evaluate import buckets_arg, evaluate_positions
 from .progress import ProgressLine
-from .position import Layout, advance, ranks, continue_position, samples_needed, start_position
+from .position import Layout, advance, continue_position, ranks, samples_needed, start_position
 from .recipe import build_model, set_cpu_threads
 from .universal import ensure_universal, launch_world_size, restore_param_groups
 
@@ -92,8 +92,8 @@ def _resume_line(manifest, directory, layout: Layout, position: dict, universal)
               else "DeepSpeed's own load (same ZeRO partitioning)")
     return (f"resume: step {manifest.step} of {directory}, written on dp {manifest.dp} x sp {manifest.sp} "
             f"({ranks(manifest.world_size)}), continues on dp {layout.dp} x sp {layout.sp} "
-            f"({ranks(layout.world_size)}): {loaded}; data continues after {position['samples_consumed']} trained samples (global batch "
-            f"{position['global_batch']}, {position['held_out_samples']} held out)")
+            f"({ranks(layout.world_size)}): {loaded}; data continues after {position['samples_consumed']} trained "
+            f"samples (global batch {position['global_batch']}, {position['held_out_samples']} held out)")
 
 
 def train(argv=None) -> dict:
@@ -104,28 +104,26 @@ def train(argv=None) -> dict:
         raise ValueError(f"{args.deepspeed_config}: expected a \"ulysses\" section, got none; fix: add "
                          "\"ulysses\": {\"sequence_parallel_size\": 1} (or more) next to zero_optimization")
     world = launch_world_size()
-    manifest = resume_dir = universal = None
-    if args.resume is not None:  # before the process groups: a conversion must not hold up a collective
-        resume_dir = ckpt.find_checkpoint(args.resume or f"{args.out}/checkpoints")
-        manifest = ckpt.verify_checkpoint(resume_dir)
-        universal = _prepare_universal(manifest, resume_dir, ds_config, world)
-    deepspeed.init_distributed()
     _, sp = mesh_shape(world, section.sp, section.mesh_param)
     layout = Layout(world, sp, ds_config.get("train_micro_batch_size_per_gpu", 1),
                     ds_config.get("gradient_accumulation_steps", 1))
+    start, config, manifest, resume_dir, universal = 0, args.deepspeed_config, None, None, None
+    if args.resume is None:
+        position = start_position(layout, world if args.eval_samples is None else args.eval_samples)
+    else:  # before the process groups: a refusal comes first, and a conversion cannot hold up a collective
+        resume_dir = ckpt.find_checkpoint(args.resume or f"{args.out}/checkpoints")
+        manifest = ckpt.verify_checkpoint(resume_dir)
+        start, position = manifest.step, _resume_position(manifest, resume_dir, layout, args)
+        universal = _prepare_universal(manifest, resume_dir, ds_config, world)
+    deepspeed.init_distributed()
     tokenizer = load_tokenizer(args.tokenizer)
     model = build_model(args.model, tokenizer, section.attn_implementation, args.seed)
-
-    start, config = 0, args.deepspeed_config
-    if manifest is None:
-        position = start_position(layout, world if args.eval_samples is None else args.eval_samples)
-    else:
+    if manifest is not None:
         ckpt.check_compatible(manifest, resume_dir, model_hash=ckpt.model_fingerprint(model.config),
                               seq_len=args.seq_len, tokenizer=tokenizer.source)
-        start, position = manifest.step, _resume_position(manifest, resume_dir, layout, args)
-        if universal is not None:
-            config = json.loads(Path(args.deepspeed_config).read_text(encoding="utf-8"))
-            config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
+    if universal is not None:
+        config = json.loads(Path(args.deepspeed_config).read_text(encoding="utf-8"))
+        config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": True}
     n_eval = position["held_out_samples"]
 
     texts = (lambda: file_texts(args.data)) if args.data else stdlib_texts
