@@ -1,4 +1,4 @@
-"""The ``ds-ulysses`` command line: ``validate``, ``plan``, ``export``, ``eval`` and ``bench``.
+"""The ``ds-ulysses`` command line: ``validate``, ``plan``, ``export``, ``eval``, ``universal`` and ``bench``.
 
 Subcommands live in :data:`SUBCOMMANDS` (name -> :class:`Subcommand`), so adding ``bench``,
 ``plan`` or ``export`` is one entry: a function that declares its arguments and one that runs and
@@ -134,6 +134,18 @@ def _run_eval(args: argparse.Namespace) -> int:
     return run_command(args)
 
 
+def _add_universal_arguments(parser: argparse.ArgumentParser) -> None:
+    from ds_ulysses.train.universal import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_universal(args: argparse.Namespace) -> int:
+    from ds_ulysses.train.universal import run_command
+
+    return run_command(args)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "validate": Subcommand("check a DeepSpeed config's \"ulysses\" section against the schema",
                            _add_validate_arguments, _run_validate),
@@ -145,6 +157,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                          _add_export_arguments, _run_export),
     "eval": Subcommand("held-out loss by token position of a saved HF model (CSV + PNG)",
                        _add_eval_arguments, _run_eval),
+    "universal": Subcommand("convert a ZeRO checkpoint to DeepSpeed's universal form, to resume at another world size",
+                            _add_universal_arguments, _run_universal),
 }
 
 

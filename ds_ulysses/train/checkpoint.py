@@ -6,7 +6,9 @@ Layout under ``root`` (e.g. ``runs/demo/checkpoints``)::
         ds/ latest           DeepSpeed's engine.save_checkpoint (ZeRO partitions, optimizer, scheduler)
         rng/rank_00000.pt    each rank's torch / Python / NumPy RNG state
         model/config.json    the HF config (and tokenizer files), for export without the training code
-        manifest.json        written last: step, mesh, model hash, data position, files + sha256
+        manifest.json        written last: step, mesh, ZeRO partition count, model hash, data position
+                             (global batch, samples consumed, held-out count), files + sha256
+        universal/           written on the first resume at another world size (see universal.py)
     .step_00000020.tmp/      a save in progress, or one that crashed: never read
 
 A save writes everything into the temp directory, then rank 0 writes the manifest and renames the
@@ -16,6 +18,10 @@ mesh and model against the running job before DeepSpeed reads anything (a file a
 short is caught, not unpickled), and DeepSpeed's reads are done with
 ``torch.load(weights_only=True)`` (its two bookkeeping classes allowed by name).
 The directory must be on a filesystem every rank sees (one node here).
+
+Manifests written before the mesh-change fields existed still load: :meth:`Manifest.read` fills in
+what they imply (their runs never changed batch or mesh, so the ZeRO partition count is the world size
+and the samples consumed are step x global batch).
 """
 
 from __future__ import annotations
@@ -61,12 +67,25 @@ class Manifest:
     files: dict
     format: int = FORMAT
     tag: str = DS_TAG
+    zero_partitions: int = 0  # ranks ZeRO split the optimizer state over (0: an older manifest)
+    rng_ranks: int = 0  # rng/rank_*.pt files (0: an older manifest)
+    deepspeed: str = ""  # the DeepSpeed version that wrote ds/
 
     @classmethod
     def read(cls, directory: Path) -> Manifest:
         raw = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
         fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in fields})
+        manifest = cls(**{k: v for k, v in raw.items() if k in fields})
+        return manifest._with_implied_fields()
+
+    def _with_implied_fields(self) -> Manifest:
+        """An older manifest's missing fields, from what its run could only have been (one mesh, one batch)."""
+        data = dict(self.data)
+        if "global_batch" not in data and "micro_batch_size" in data:
+            data["global_batch"] = self.dp * data["micro_batch_size"] * data["gradient_accumulation_steps"]
+            data["samples_consumed"] = self.step * data["global_batch"]
+        return dataclasses.replace(self, data=data, zero_partitions=self.zero_partitions or self.world_size,
+                                   rng_ranks=self.rng_ranks or self.world_size)
 
 
 def model_fingerprint(config) -> str:
@@ -159,10 +178,13 @@ def save_checkpoint(engine, root, step: int, *, model_config, seq_len: int, toke
             hf_tokenizer.save_pretrained(tmp / "model")
     _barrier()  # every rank's files are on disk before they are hashed
     if _rank() == 0:
+        import deepspeed
+
         mesh = engine.mpu
         files = {p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         _write_manifest(tmp, Manifest(step, mesh.dp, mesh.sp, mesh.world_size, model_fingerprint(model_config),
-                                      seq_len, tokenizer, dict(data), files))
+                                      seq_len, tokenizer, dict(data), files, zero_partitions=engine.seq_dp_world_size,
+                                      rng_ranks=mesh.world_size, deepspeed=deepspeed.__version__))
         if final.exists():  # re-saving a step (resumed from an older checkpoint): replace it
             trash = root / f".{name}.old"
             shutil.rmtree(trash, ignore_errors=True)
@@ -226,19 +248,14 @@ def verify_checkpoint(directory) -> Manifest:
     return manifest
 
 
-def check_compatible(manifest: Manifest, directory, *, dp: int, sp: int, world_size: int, model_hash: str,
-                     seq_len: int, tokenizer: str, data: dict | None = None) -> None:
-    """Raise, naming each difference, if the checkpoint was made by a job shaped differently.
+def check_compatible(manifest: Manifest, directory, *, model_hash: str, seq_len: int, tokenizer: str) -> None:
+    """Raise, naming each difference, if the checkpoint was made for another model or token stream.
 
-    ZeRO partitions are laid out for one world size and mesh; resuming on another would load the
-    wrong shards. Sequence length and tokenizer decide which tokens the data position points at;
-    ``data`` (this job's position for the checkpoint's step) differs when the batch shape changed.
+    The mesh may differ (:mod:`.universal` and :mod:`.position` decide how a new mesh continues); the
+    model, sequence length and tokenizer may not: they decide what the weights mean and which tokens
+    the data position points at.
     """
     diffs, fixes = [], []
-    if (manifest.dp, manifest.sp, manifest.world_size) != (dp, sp, world_size):
-        diffs.append(f"mesh: checkpoint dp={manifest.dp} sp={manifest.sp} on {manifest.world_size} ranks, "
-                     f"this job dp={dp} sp={sp} on {world_size} ranks")
-        fixes.append(f"launch {manifest.world_size} ranks with ulysses.sequence_parallel_size={manifest.sp}")
     if manifest.model_hash != model_hash:
         diffs.append(f"model config: checkpoint {manifest.model_hash[:12]}, this job {model_hash[:12]}")
         fixes.append(f"build the model of {Path(directory) / 'model' / 'config.json'} (same --model)")
@@ -248,10 +265,6 @@ def check_compatible(manifest: Manifest, directory, *, dp: int, sp: int, world_s
     if manifest.tokenizer != tokenizer:
         diffs.append(f"tokenizer: checkpoint {manifest.tokenizer!r}, this job {tokenizer!r}")
         fixes.append("pass the same --tokenizer")
-    if data is not None and manifest.data != data:
-        diffs.append(f"data position: checkpoint {manifest.data}, this job {data}")
-        fixes.append("keep the checkpoint run's --eval-samples, train_micro_batch_size_per_gpu and "
-                     "gradient_accumulation_steps")
     if diffs:
         raise CheckpointError(
             f"checkpoint {directory} does not match this job: " + "; ".join(diffs) + ". fix: " + ", ".join(fixes)
@@ -271,17 +284,23 @@ def safe_torch_load(path, map_location=None):
         return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def load_checkpoint(engine, directory, manifest: Manifest) -> None:
-    """Restore engine, optimizer, scheduler and this rank's RNG from a verified checkpoint."""
-    directory = Path(directory)
+def load_checkpoint(engine, directory, manifest: Manifest, tag: str | None = None) -> None:
+    """Restore engine, optimizer, scheduler and this rank's RNG from a verified checkpoint.
+
+    ``tag`` is the DeepSpeed directory to read (default the manifest's, ``ds``; ``universal`` after a
+    conversion). A job on more ranks than wrote the checkpoint gives rank ``r`` the RNG of rank
+    ``r mod rng_ranks``: the training itself draws no random numbers (no dropout in the app's models),
+    so this only decides what a user's own sampling continues from.
+    """
+    directory, tag = Path(directory), tag or manifest.tag
     ckpt_engine = engine.checkpoint_engine
     ckpt_engine.load = safe_torch_load  # this engine's reads only; DeepSpeed's default unpickles anything
     try:
-        path, _ = engine.load_checkpoint(str(directory), tag=manifest.tag, load_optimizer_states=True,
+        path, _ = engine.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
     finally:
         del ckpt_engine.load
     if path is None:
-        raise CheckpointError(f"DeepSpeed found nothing to load in {directory / manifest.tag}; fix: pass a "
+        raise CheckpointError(f"DeepSpeed found nothing to load in {directory / tag}; fix: pass a "
                               "checkpoint written by ds_ulysses.train.checkpoint.save_checkpoint")
-    _set_rng_state(safe_torch_load(directory / "rng" / f"rank_{_rank():05d}.pt"))
+    _set_rng_state(safe_torch_load(directory / "rng" / f"rank_{_rank() % manifest.rng_ranks:05d}.pt"))

@@ -144,18 +144,23 @@ def evaluate_positions(model, samples, mesh: Mesh | None = None, buckets: int | 
 
     ``model`` is the HF model (``engine.module`` under DeepSpeed) with SP attention registered when
     ``mesh.sp > 1`` and active in eval mode (``disable_in_eval: false``, the default). Every rank
-    calls this with the same samples; ``len(samples)`` must be a multiple of the world size.
+    calls this with the same samples. Each rank draws one sample per round, so a count that is not a
+    multiple of the world size (a resumed run keeps its checkpoint's held-out count on a new mesh) is
+    topped up with copies of the first sample whose labels are all ignored: they add no token.
     Positions are the samples' position_ids (restarting per document when the sample has them).
     """
     from torch.utils.data import DataLoader, DistributedSampler
 
     mesh = mesh if mesh is not None else Mesh(1, 1)
-    if len(samples) == 0 or len(samples) % mesh.world_size:
-        raise ValueError(f"evaluate_positions: expected a multiple of the world size {mesh.world_size} of samples "
-                         f"(each rank draws one per round), got {len(samples)}; fix: pass "
-                         f"{max(mesh.world_size, len(samples) // mesh.world_size * mesh.world_size)} samples")
+    if len(samples) == 0:
+        raise ValueError("evaluate_positions: expected at least one sample, got none; fix: pass held-out samples "
+                         "(the training app: --eval-samples 1 or more)")
     if max_positions is None:
         max_positions = max(len(s["input_ids"]) for s in samples)
+    if len(samples) % mesh.world_size:
+        first = samples[0]
+        filler = {"input_ids": first["input_ids"], "labels": torch.full_like(first["labels"], IGNORE_INDEX)}
+        samples = [samples[i] for i in range(len(samples))] + [filler] * (-len(samples) % mesh.world_size)
     edges = bucket_edges(buckets, max_positions)
     nb = len(edges) - 1
     sampler = DistributedSampler(samples, num_replicas=mesh.world_size, rank=mesh.rank, shuffle=False)

@@ -1,24 +1,17 @@
-"""The training job's choices that are not mechanisms of their own: the default model, CPU threads,
-and where in the sample stream a (resumed) run starts.
+"""The training job's choices that are not mechanisms of their own: the default model and CPU threads.
 
-Data position: each rank's loader reads a distinct sample per refill and its SP group then trains on
-the ``sp`` samples of the refill one micro-batch at a time, so a refill consumes ``world * mbs``
-consecutive samples (DistributedSampler, no shuffle) and yields ``sp`` micro-batches. After ``m``
-micro-batches the next sample is ``(m // sp) * world * mbs`` and the refill in progress has had
-``m % sp`` micro-batches taken: a resumed run starts its data there and skips those. The first
-``held_out`` samples of the stream are the evaluation's, so training starts after them.
+Where in the sample stream a (resumed) run starts is :mod:`.position`.
 """
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 
 from ..hf.model_facts import vocab_size
 
-__all__ = ["DEFAULT_MODEL", "build_model", "set_cpu_threads", "data_position", "samples_needed"]
+__all__ = ["DEFAULT_MODEL", "build_model", "set_cpu_threads"]
 
 # A tiny Llama: GQA (4 query heads, 2 KV heads), long RoPE range; ~0.5M parameters, so a 2-core CPU
 # trains it on 16K-token sequences in seconds per step.
@@ -66,15 +59,3 @@ def set_cpu_threads() -> None:
     # torchrun says LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
-
-
-def data_position(step: int, grad_accum: int, sp: int, world_size: int, micro_batch: int, held_out: int) -> dict:
-    """Where in the sample stream the data of optimizer step ``step`` starts (see the module docstring)."""
-    micro = step * grad_accum
-    return {"sample_offset": held_out + (micro // sp) * world_size * micro_batch, "skip_micro_batches": micro % sp,
-            "held_out_samples": held_out, "gradient_accumulation_steps": grad_accum, "micro_batch_size": micro_batch}
-
-
-def samples_needed(steps: int, grad_accum: int, sp: int, world_size: int, micro_batch: int) -> int:
-    """Samples the loaders consume over ``steps`` optimizer steps (whole refills)."""
-    return math.ceil(steps * grad_accum / sp) * world_size * micro_batch

@@ -7,7 +7,8 @@
 - export: the HF directory gathered from the ZeRO-3 checkpoint, loaded by plain
   ``from_pretrained``, gives the SP engine's logits (gathered over the SP group), rel 1e-5;
 - the exported model's loss by position without SP equals the engine's with SP, rel 1e-5;
-- the same checkpoint under another mesh is refused with the difference named;
+- the same checkpoint under another mesh with another global batch is refused with the setting named
+  (resumes on other meshes with the same global batch: test_resume_mesh.py);
 - the launchers: ``deepspeed`` and ``torchrun`` run the script, whose entry leaves no process group
   behind (a live gloo group aborted a finished rank at interpreter teardown).
 """
@@ -96,7 +97,7 @@ def _crash_then_resume(rank, world_size, out, model_dir, sp1_config):
 
     dist.barrier()
     resumed = example.train(_args(out, model_dir, "--resume"))
-    try:  # the same checkpoint under sp=1 (dp=2): refused before DeepSpeed reads a file
+    try:  # the same checkpoint under sp=1 (dp=2, so twice the global batch): refused before DeepSpeed reads a file
         example.train(["--deepspeed_config", str(sp1_config), "--model", str(model_dir), "--seq-len", str(SEQ),
                        "--out", str(out), "--resume"])
     except ckpt.CheckpointError as err:
@@ -125,8 +126,8 @@ def uninterrupted(tmp_path_factory, tiny_model_dir):
     return out, run_distributed(_uninterrupted, 2, str(out), str(tiny_model_dir), timeout=600)
 
 
-def test_resume_after_crash_mid_save_reproduces_the_losses_other_mesh_refused(tmp_path, tiny_model_dir,
-                                                                               uninterrupted):
+def test_resume_after_crash_mid_save_reproduces_the_losses_other_batch_refused(tmp_path, tiny_model_dir,
+                                                                              uninterrupted):
     _, reference = uninterrupted
     config = json.loads(CONFIG.read_text())
     config["ulysses"]["sequence_parallel_size"] = 1
@@ -142,9 +143,9 @@ def test_resume_after_crash_mid_save_reproduces_the_losses_other_mesh_refused(tm
         assert sorted(res["losses"]) == [4, 5, 6, 7, 8]  # >= 4 steps after the resume
         for step, loss in res["losses"].items():
             assert abs(loss - expected[step]) <= 1e-6 * abs(expected[step]), (step, loss, expected[step])
-        assert res["refused"].startswith("checkpoint ") and "does not match this job" in res["refused"]
-        assert "mesh: checkpoint dp=1 sp=2 on 2 ranks, this job dp=2 sp=1 on 2 ranks" in res["refused"]
-        assert "fix: launch 2 ranks with ulysses.sequence_parallel_size=2" in res["refused"]
+        assert res["refused"].startswith("global batch: the checkpoint trained 1 samples per step (dp 1 x sp 2")
+        assert "this job 2 (dp 2 x sp 1 on 2 ranks" in res["refused"]
+        assert "fix: launch a mesh whose dp divides 1, or pass --allow-batch-change" in res["refused"]
     assert (tmp_path / "run" / "checkpoints" / "step_00000008" / "manifest.json").is_file()
 
 

@@ -18,6 +18,7 @@ from ds_ulysses.train import checkpoint as ckpt
 
 class StandInEngine:
     mpu = SimpleNamespace(dp=1, sp=1, world_size=1)
+    seq_dp_world_size = 1
 
     def save_checkpoint(self, save_dir, tag):
         (Path(save_dir) / tag).mkdir()
@@ -84,23 +85,39 @@ def test_partial_or_damaged_checkpoint_raises_with_fix(tmp_path):
         ckpt.find_checkpoint(tmp_path)
 
 
-def test_mismatched_job_names_every_difference(tmp_path):
+def test_mismatched_job_names_every_difference_but_the_mesh(tmp_path):
     path = _save(tmp_path, 1)
     manifest = ckpt.verify_checkpoint(path)
     manifest = ckpt.Manifest(**{**manifest.__dict__, "dp": 1, "sp": 2, "world_size": 2})
     other = LlamaConfig(**{**CONFIG.to_dict(), "num_hidden_layers": 2})
     with pytest.raises(ckpt.CheckpointError) as err:
-        ckpt.check_compatible(manifest, path, dp=2, sp=1, world_size=2, model_hash=ckpt.model_fingerprint(other),
-                              seq_len=128, tokenizer="bytes")
+        ckpt.check_compatible(manifest, path, model_hash=ckpt.model_fingerprint(other), seq_len=128,
+                              tokenizer="gpt2")
     msg = str(err.value)
-    assert "mesh: checkpoint dp=1 sp=2 on 2 ranks, this job dp=2 sp=1 on 2 ranks" in msg
     assert "model config: checkpoint" in msg and "seq_len: checkpoint 64, this job 128" in msg
-    assert "fix: launch 2 ranks with ulysses.sequence_parallel_size=2" in msg and "--seq-len 64" in msg
-    ckpt.check_compatible(manifest, path, dp=1, sp=2, world_size=2, model_hash=manifest.model_hash, seq_len=64,
-                          tokenizer="bytes", data={"sample_offset": 1})
-    with pytest.raises(ckpt.CheckpointError, match="data position: checkpoint"):
-        ckpt.check_compatible(manifest, path, dp=1, sp=2, world_size=2, model_hash=manifest.model_hash,
-                              seq_len=64, tokenizer="bytes", data={"sample_offset": 2})
+    assert "tokenizer: checkpoint 'bytes', this job 'gpt2'" in msg
+    assert "--seq-len 64" in msg and "pass the same --tokenizer" in msg and "mesh" not in msg
+    ckpt.check_compatible(manifest, path, model_hash=manifest.model_hash, seq_len=64, tokenizer="bytes")
+
+
+def test_new_manifest_records_what_a_remap_needs_and_older_ones_imply_it(tmp_path):
+    import deepspeed
+
+    data = {"sample_offset": 10, "skip_micro_batches": 1, "held_out_samples": 2, "gradient_accumulation_steps": 2,
+            "micro_batch_size": 1}
+    path = ckpt.save_checkpoint(StandInEngine(), tmp_path, 4, model_config=CONFIG, seq_len=64, tokenizer="bytes",
+                                data=data)
+    manifest = ckpt.verify_checkpoint(path)
+    assert (manifest.zero_partitions, manifest.rng_ranks, manifest.deepspeed) == (1, 1, deepspeed.__version__)
+    # a manifest written before these fields: the run had one mesh and one batch throughout
+    raw = json.loads((path / ckpt.MANIFEST).read_text())
+    for key in ("zero_partitions", "rng_ranks", "deepspeed"):
+        del raw[key]
+    raw.update(dp=2, sp=2, world_size=4)
+    (path / ckpt.MANIFEST).write_text(json.dumps(raw))
+    old = ckpt.Manifest.read(path)
+    assert (old.zero_partitions, old.rng_ranks) == (4, 4)
+    assert old.data == {**data, "global_batch": 4, "samples_consumed": 16}
 
 
 def test_fingerprint_ignores_attention_choice_and_paths():

@@ -90,7 +90,7 @@ def test_empty_buckets_and_sample_count_errors():
     assert result.rows() == [(0, 3, 2, 1.0), (8, 11, 1, 3.0)]
     assert abs(result.overall - 5 / 3) < 1e-12
     assert bucket_edges("log2", 40).tolist() == [0, 1, 2, 4, 8, 16, 32, 64]
-    with pytest.raises(ValueError, match="expected a multiple of the world size 1 of samples"):
+    with pytest.raises(ValueError, match="expected at least one sample, got none"):
         evaluate_positions(_model(), [], None, BUCKET)
     with pytest.raises(ValueError, match=r"buckets: expected \"log2\" or a positive number .* got 0"):
         bucket_edges(0, 10)
