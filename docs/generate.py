@@ -298,7 +298,33 @@ def gpu_table() -> str:
     return "\n".join(rows)
 
 
+def longest_table() -> str:
+    """``ds-ulysses plan --seq-len max`` for Llama-3.1-8B on the published setups, ours and DeepSpeed's recipe,
+    under the 2**31-element tensor limit and past it, beside the published records."""
+    from ds_ulysses.constants import GIB
+    from ds_ulysses.planner import KNOWN_MODELS, max_seq_len
+
+    dims = KNOWN_MODELS["llama-3.1-8b"]
+    setups = [(1, 80, None, "ALST 500K (1 H100)"), (8, 80, 2048, "ALST 3.7M, UPipe 5.24M (8 H100)"),
+              (8, 141, None, ""), (32, 80, None, "ALST 15M (32 H100)")]
+    rows = ["| GPUs x GiB (host per node) | ours | DeepSpeed's ALST recipe | ours, past 2^31 | DeepSpeed's, past 2^31 "
+            "| published |", "|---|---|---|---|---|---|"]
+    for gpus, mem, host, published in setups:
+        cells = [_m(max_seq_len(dims, gpus, mem * GIB, None if host is None else host * GIB, recipe=recipe)[0])
+                 for recipe in ("ours", "deepspeed-alst")] + \
+                [_m(max_seq_len(dims, gpus, mem * GIB, None if host is None else host * GIB, recipe=recipe,
+                                index_limit=None)[0]) for recipe in ("ours", "deepspeed-alst")]
+        where = f"{gpus} x {mem}" + (f" ({host // 1024} TiB)" if host else "")
+        rows.append(f"| {where} | " + " | ".join(cells) + f" | {published} |")
+    return "\n".join(rows)
+
+
+def _m(tokens: int) -> str:
+    return f"{tokens / 1e6:.2f}M" if tokens >= 1_000_000 else f"{tokens // 1024}K"
+
+
 BLOCKS = {
+    "readme-longest": longest_table,
     "readme-glance": lambda: glance_table("docs/benchmarks.md", "docs/gpu.md"),
     "bench-glance": lambda: glance_table("", "gpu.md"),
     "config-jsonc": config_jsonc,

@@ -235,19 +235,28 @@ def tile_rows(dims: ModelDims, setup: Setup) -> tuple[int, int]:
     return math.ceil(local / mlp), math.ceil(local / loss)
 
 
+# What tiled attention takes off a layer's recompute and backward, fitted from benchmarks/results/breakdown.jsonl
+# (ours and ours[tiled_attention] at sp 2, S 3072/4096/5120, one run, 2 head groups of issue 67's
+# Llama-3.1-8B-shaped model: per-token units at the layer's peak 6.76 -> 3.25): 3.51 units at 2 groups, so the
+# attention's own full-sequence tensors are 7.02 units at kv heads / heads = 0.25
+_TILED_ATTENTION_FIT = (7.02, 0.25)
+
+
 def tiled_attention_units(dims: ModelDims, shards: int) -> float:
     """Hidden-sized tensors per token a layer's recompute and backward no longer holds when its attention runs
-    ``shards`` head groups one at a time (0 at 1 shard).
+    ``shards`` head groups one at a time (0 at 1 shard): the attention's full-sequence tensors A, of which one
+    group's share ``A / shards`` stays alive.
 
-    The full-sequence attention tensors of one layer: q and its head-sharded copy (2), k and v with theirs
-    (4 r, r = kv heads / heads) and the kernel's output with its all-to-all back (2); with ``shards`` groups
-    only one group's share of them is alive. An estimate until a tiled-attention record is measured: this is
-    the one function to replace with that record's fitted term.
+    A is the measured figure (:data:`_TILED_ATTENTION_FIT`) carried to other head layouts by what scales with
+    them: q, the output and their copies (4 of the 4 + 4 r the layout predicts at r = kv heads / heads) do not
+    depend on r, k and v with theirs do.
     """
     if shards < 1:
         raise ValueError(f"expected a positive tiled_attention shard count, got {shards}")
+    measured, at_ratio = _TILED_ATTENTION_FIT
     r = dims.kv_heads / dims.heads
-    return (2 + 4 * r + 2) * (1 - 1 / shards)
+    units = measured * (4 + 4 * r) / (4 + 4 * at_ratio)
+    return units * (1 - 1 / shards)
 
 
 # Elements of one tensor past which kernels that index with 32-bit integers fail: ALST's 1-GPU recipe dies at
