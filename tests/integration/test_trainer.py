@@ -15,6 +15,8 @@ without SP (plain torch: the same model, samples and SGD steps; tests/support/tr
   are label smoothing and ``compute_loss_func``, which the SP loss would drop.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -51,6 +53,17 @@ def test_trainer_trains_evaluates_and_saves_like_one_process_without_sp(stage, s
         for name, param in saved.named_parameters():
             want = reference["start"][name] + reference["update"][name]
             assert rel_err(param.detach(), want) <= 1e-6, name
+
+
+def test_tiled_attention_and_mlps_under_checkpointing_train_like_one_process_without_sp(reference, tmp_path):
+    """The section's tiled attention (each block a group of heads at a time) and tiled MLPs, inside the Trainer's
+    gradient checkpointing (each group recomputed within the layer's recompute), ZeRO-3."""
+    extra = {"tiled_attention": {"enabled": True}, "tiled_mlp": {"enabled": True, "shards": 2}}
+    run = functools.partial(tc.trainer_run, section_extra=extra, checkpointing=True)
+    for res in run_distributed(run, 2, 3, "section", str(tmp_path), STEPS, timeout=600):
+        assert res["tiled_blocks"] == 2  # both layers' attention blocks ran tiled
+        errors = tc.compare(res, reference)
+        assert errors["loss"] <= 1e-5 and errors["update"] <= 1e-4, errors
 
 
 def test_resume_in_a_second_trainer_reproduces_the_run(tmp_path):

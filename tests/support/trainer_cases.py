@@ -114,17 +114,20 @@ def compare(result: dict, ref: dict) -> dict:
 def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: str, steps: int = 3,
                 evaluate: bool = False, save: bool = False, resume_from: str | None = None,
                 save_steps: int = 0, *, sp: int | None = None, gas: int = 1, average_tokens: bool = True,
-                prompts: bool = False, packed: bool = False, moe: bool = False) -> dict:
+                prompts: bool = False, packed: bool = False, moe: bool = False, section_extra: dict | None = None,
+                checkpointing: bool = False) -> dict:
     """A real Trainer with SP at ``sp`` (the world size by default), switched on by ``switch``: "section"
     (the DeepSpeed config's "ulysses" section), "parallelism_config" (Transformers' documented path),
     "both", or "none" (the same Trainer without SP); ``gas`` micro-batches per step, ``average_tokens`` its
     ``average_tokens_across_devices``, ``prompts`` samples with -100 prompts (see :func:`samples`),
     ``packed`` micro-batches of 3 :func:`documents` packed by Transformers' padding-free
     ``DataCollatorWithFlattening`` (position_ids restart per document), ``moe`` a tiny Mixtral training its
-    router load-balancing loss (:func:`moe_model`) instead of Llama. Returns the losses ``compute_loss``
-    gave, the losses the Trainer logged per step, and the final parameters. Leaves ds_ulysses installed (a
-    second Trainer in the process registers over the first; the caller uninstalls). ``logits``: per training
-    forward, whether the model returned logits (the tiled loss returns none)."""
+    router load-balancing loss (:func:`moe_model`) instead of Llama, ``section_extra`` more fields of the
+    section (tiled attention, say), ``checkpointing`` the Trainer's gradient checkpointing. Returns the losses
+    ``compute_loss`` gave, the losses the Trainer logged per step, and the final parameters. Leaves ds_ulysses
+    installed (a second Trainer in the process registers over the first; the caller uninstalls). ``logits``: per
+    training forward, whether the model returned logits (the tiled loss returns none); ``tiled_blocks``: the
+    attention blocks that run tiled."""
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
@@ -138,7 +141,7 @@ def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: st
     model = moe_model() if moe else tiny_model(tiny_config("llama", heads=4, kv_heads=2))
     model.eval()  # as from_pretrained leaves it: the Trainer switches to train mode in its first training_step
     sp = sp or world_size
-    section = {"sequence_parallel_size": sp} if switch in ("section", "both") else None
+    section = {"sequence_parallel_size": sp, **(section_extra or {})} if switch in ("section", "both") else None
     pc = (ParallelismConfig(sp_backend="deepspeed", sp_size=sp)
           if switch in ("parallelism_config", "both") else None)
     micro = 3 if packed else 1
@@ -148,7 +151,8 @@ def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: st
         learning_rate=LR, optim="sgd", lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500, train_sampling_strategy="sequential", deepspeed=ds_config(stage, section),
-        parallelism_config=pc, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        parallelism_config=pc, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        gradient_checkpointing=checkpointing)
     losses, logits = [], []
 
     class Recording(Trainer):
@@ -166,7 +170,8 @@ def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: st
     trainer.train(resume_from_checkpoint=resume_from)
     out = {"losses": losses, "logits": logits, "logged": [h["loss"] for h in trainer.state.log_history if "loss" in h],
            "params": full_params(trainer.model_wrapped),
-           "sp": getattr(trainer.accelerator.parallelism_config, "sp_size", 1)}
+           "sp": getattr(trainer.accelerator.parallelism_config, "sp_size", 1),
+           "tiled_blocks": sum("_ds_ulysses_head_groups" in vars(m) for m in trainer.model_wrapped.module.modules())}
     if evaluate:
         out["eval_loss"] = trainer.evaluate()["eval_loss"]
     if save:
