@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from ..constants import IGNORE_INDEX
+from .packed import padding_hole
 
 __all__ = ["VARLEN_KEYS", "check_batch", "first_error", "is_int_tensor"]
 
@@ -107,11 +108,9 @@ def _check_attention_mask(mask: torch.Tensor) -> None:
     keep = mask != 0
     if keep.dim() != 2:
         return
-    started = keep.long().cumsum(dim=1) > 0                                  # at or after a row's first real token
-    more = keep.long().flip(1).cumsum(dim=1).flip(1) > 0                     # at or before its last real token
-    holes = ~keep & started & more
-    if bool(holes.any()):
-        row, pos = (int(i) for i in holes.nonzero()[0])
+    hole = padding_hole(keep)
+    if hole is not None:
+        row, pos = hole
         raise ValueError(
             f"attention_mask has padding between real tokens (row {row}, token {pos}); Ulysses SP serves padding "
             "before the real tokens (left padding) and after them, but a hole needs a mask its per-document "

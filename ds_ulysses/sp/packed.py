@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DocSpans", "find_documents", "packed_attention", "mark_padding", "isolate_left_padding"]
+__all__ = ["DocSpans", "find_documents", "packed_attention", "mark_padding", "isolate_left_padding", "padding_hole"]
 
 
 @dataclass(frozen=True)
@@ -69,22 +69,33 @@ def isolate_left_padding(marked: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         return marked, None
     positions = torch.where(pad, -1 - marked, marked)                       # [bs sl]
     real = ~pad
-    left = real.cumsum(dim=1) == 0                                          # [bs sl] before a row's first real
-    after = real.flip(1).cumsum(dim=1).flip(1) > 0                          # [bs sl] a real token at or after
-    holes = pad & ~left & after
-    if bool(holes.any()):
-        row, col = (int(i) for i in holes.nonzero()[0])
+    hole = padding_hole(real)
+    if hole is not None:
+        row, col = hole
         raise ValueError(
             f"the attention mask has padding between real tokens (row {row}, token {col} of the gathered "
             "sequence); Ulysses SP serves padding before the real tokens (left padding) and after them, where a "
             "hole needs a mask that its per-document attention cannot give, so real tokens would attend to it; "
             "expected each row's real tokens contiguous; fix: pad on the left or the right only, or pack "
             "documents with position_ids restarting at 0")
+    left = real.cumsum(dim=1) == 0                                          # [bs sl] before a row's first real
     if not bool(left.any()):
         return positions, None
     first = real.long().argmax(dim=1, keepdim=True)                         # [bs 1] (0 for an all-pad row)
     positions = torch.where(left, positions.gather(1, first), positions)
     return positions, left
+
+
+def padding_hole(real: torch.Tensor) -> tuple[int, int] | None:
+    """``(row, token)`` of the first padding between two real tokens of a row (``real``: ``[bs sl]`` bool, True
+    at real tokens), or None: padding before and after the real tokens is no hole."""
+    started = real.long().cumsum(dim=1) > 0                                  # at or after a row's first real token
+    more = real.long().flip(1).cumsum(dim=1).flip(1) > 0                     # at or before its last real token
+    holes = ~real & started & more
+    if not bool(holes.any()):
+        return None
+    row, col = (int(i) for i in holes.nonzero()[0])
+    return row, col
 
 
 def _buckets(spans):
