@@ -8,15 +8,16 @@ Entry points:
   the drop-in API of DeepSpeed's ALST module.
 - :func:`sequence_tiled_compute`, :class:`TiledMLP`, :class:`TiledFusedLogitsLoss`: tiled compute
   (:class:`AutogradComputeMLP`: DeepSpeed's recompute-in-backward MLP, one tile); :func:`tile_attention`:
-  each attention block a group of heads at a time.
+  each attention block a group of heads at a time; :func:`tile_norms`: the decoder's norms recomputed from
+  their input.
 """
 
 from .config import UlyssesConfig, UlyssesConfigError, load_schema, parse_ds_config
 from .distributed import Mesh, SPCommError, build_mesh
 from .engine import initialize, install, uninstall
 from .hf import (UlyssesSPAttentionHF, disable_activation_checkpoint_offload, enable_activation_checkpoint_offload,
-                 enable_sp_loss, register_with_transformers, tile_attention, tiled_causal_lm_loss,
-                 unregister_from_transformers, untile_attention)
+                 enable_sp_loss, register_with_transformers, tile_attention, tile_norms, tiled_causal_lm_loss,
+                 unregister_from_transformers, untile_attention, untile_norms)
 from .memory import (AutogradComputeMLP, SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute,
                      tile_mlps, untile_mlps)
 from .sp import UlyssesSPDataLoaderAdapter, sp_loss_from_logits
@@ -27,6 +28,6 @@ __all__ = [
     "UlyssesConfig", "UlyssesConfigError", "SPCommError", "parse_ds_config", "load_schema", "Mesh", "build_mesh",
     "register_with_transformers", "unregister_from_transformers", "enable_sp_loss", "sp_loss_from_logits",
     "tiled_causal_lm_loss", "tile_mlps", "untile_mlps", "tile_attention", "untile_attention",
-    "enable_activation_checkpoint_offload",
+    "tile_norms", "untile_norms", "enable_activation_checkpoint_offload",
     "disable_activation_checkpoint_offload",
 ]

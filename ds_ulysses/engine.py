@@ -35,6 +35,7 @@ from .distributed.collectives import collective_device
 from .distributed.mesh import Mesh, check_mesh_param, mesh_shape
 from .distributed.watch import GroupWatch
 from .hf.attention_tiling import apply_attention_tiling, plan_attention_tiling
+from .hf.norm_tiling import tile_norms
 from .hf.checkpointing import check_checkpoint_offload, enable_activation_checkpoint_offload
 from .hf.loss import enable_sp_loss, tiled_causal_lm_loss
 from .hf.model_facts import layout_facts, text_config, vocab_size
@@ -117,7 +118,8 @@ def check_fp16_loss_scaling(ds_config: dict) -> None:
 
 
 def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: int, grad_scale: float) -> None:
-    """Apply the section to ``model``: SP attention, SP loss (tiled or not), tiled MLP, offload.
+    """Apply the section to ``model``: SP attention, SP loss (tiled or not), tiled MLP, attention and norms,
+    offload.
 
     A model whose attention a registration on this mesh already serves (Accelerate registers before
     it calls ``deepspeed.initialize``) keeps it. From here on its SP forwards must get the data
@@ -154,6 +156,8 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
         tile_mlps(model, section.tiled_mlp.shards, router_side)
     if section.tiled_attention.enabled:
         apply_attention_tiling(attention_plans)
+    if section.tiled_norms.enabled:
+        tile_norms(model)
     if section.activation_checkpoint_offload.enabled:
         enable_activation_checkpoint_offload(model)
 

@@ -707,6 +707,8 @@ ENGINE_SECTIONS = {
     "offload": {"activation_checkpoint_offload": {"enabled": True}},  # checkpointed layers, inputs on the host
     # every attention block a group of heads at a time ("auto": the most groups whose heads split over the ranks)
     "attention": {"tiled_attention": {"enabled": True}},
+    # every decoder norm recomputed from its input, the tiled MLPs (4 tiles) rebuilding the norms' outputs
+    "norms": {"tiled_norms": {"enabled": True}, "tiled_mlp": {"enabled": True, "shards": 4}},
     # every tool at once (ArcticTraining's setup): tiled MLPs recomputed inside checkpointed, offloaded layers
     "all-tools": {"tiled_loss": {"enabled": True, "shards": 4}, "tiled_mlp": {"enabled": True, "shards": 4},
                   "activation_checkpoint_offload": {"enabled": True}},

@@ -98,6 +98,17 @@ class TiledAttentionConfig(_Section):
 
 
 @dataclass(frozen=True)
+class TiledNormsConfig(_Section):
+    """``ulysses.tiled_norms``: the decoder's norms recomputed from their input, trading a norm forward for
+    the normalised copies autograd keeps."""
+
+    _path: ClassVar[JsonPath] = ("tiled_norms",)
+
+    enabled: bool = False
+    """Recompute each decoder norm in backward; tiled attention and MLP blocks then keep the norm's input."""
+
+
+@dataclass(frozen=True)
 class TiledLossConfig(_Section):
     """``ulysses.tiled_loss``: fused logits+loss in tiles so [bs, sl, vocab] logits never exist."""
 
@@ -128,7 +139,8 @@ class UlyssesConfig(_Section):
     """
 
     _nested: ClassVar[dict[str, type]] = {
-        "tiled_mlp": TiledMLPConfig, "tiled_attention": TiledAttentionConfig, "tiled_loss": TiledLossConfig,
+        "tiled_mlp": TiledMLPConfig, "tiled_attention": TiledAttentionConfig, "tiled_norms": TiledNormsConfig,
+        "tiled_loss": TiledLossConfig,
         "activation_checkpoint_offload": ActivationCheckpointOffloadConfig}
 
     sequence_parallel_size: int = 1
@@ -157,6 +169,8 @@ class UlyssesConfig(_Section):
     """ALST tiled MLP settings."""
     tiled_attention: TiledAttentionConfig = field(default_factory=TiledAttentionConfig)
     """Tiled attention settings."""
+    tiled_norms: TiledNormsConfig = field(default_factory=TiledNormsConfig)
+    """Tiled norms settings."""
     model_loss: bool = True
     """``model(**batch).loss`` is the sample's SP loss for a batch with ``shift_labels``; False leaves the loss
     to the caller (logits returned, no loss: DeepSpeed's module's behaviour). Needs ``tiled_loss`` off."""

@@ -9,7 +9,7 @@ from ..patching import PATCHES
 from .tiled_mlp import TiledMLP
 from .tiles import positive_int
 
-__all__ = ["tile_mlps", "untile_mlps", "mlp_modules"]
+__all__ = ["tile_mlps", "untile_mlps", "mlp_modules", "token_wise"]
 
 _TAG = "tiled_mlp"
 
@@ -53,13 +53,18 @@ def untile_mlps(model):
 
 
 def _tiled_mlp_forward(module, forward, x, *args, **kwargs):
-    rank = x.dim()
+    per_tile = token_wise(forward, x.dim(), *args, **kwargs)
+    return TiledMLP.apply(per_tile, module, x, module._ds_ulysses_shards, None, module._ds_ulysses_side)
+
+
+def token_wise(forward, rank: int, *args, **kwargs):
+    """A module's own ``forward`` (with the call's other arguments) as TiledMLP's ``fn(module, tile)``, for an
+    input of ``rank`` dims: backward's flattened ``[n_t, h]`` tiles reach it with the rank it was written for."""
 
     def per_tile(_module, tile):
         if tile.dim() == rank:
             return forward(tile, *args, **kwargs)
-        # backward's [n_t, h] tiles reach the model's forward with the rank it was written for
-        lifted = tile.view((1,) * (rank - 2) + tuple(tile.shape))
+        lifted = tile.view((1,) * (rank - 2) + tuple(tile.shape))  # [n_t h] -> [1 n_t h]
         return forward(lifted, *args, **kwargs).reshape(tile.shape[0], -1)
 
-    return TiledMLP.apply(per_tile, module, x, module._ds_ulysses_shards, None, module._ds_ulysses_side)
+    return per_tile

@@ -16,6 +16,7 @@ Dimensions: bs batch, sl_l local sequence, h hidden, g one group of heads, G the
 import torch
 from torch.autograd import Function
 
+from .rebuild import kept_input, rebuilt
 from .tile_grads import TileGrads
 from .tiles import one_grad_per_input, positive_int, trainable_params, zero3_fetch_with, zero3_whole
 
@@ -44,7 +45,8 @@ class TiledHeads(Function):
     @staticmethod
     def forward(ctx, fn, module, x, groups, *params):
         ctx.fn, ctx.module, ctx.groups, ctx.params = fn, module, groups, params
-        ctx.save_for_backward(x)
+        kept, ctx.rebuild = kept_input(x)  # a norm's output is kept as the norm's input (see .rebuild)
+        ctx.save_for_backward(kept)
         out = None
         with torch.no_grad():
             for g in range(groups):
@@ -58,8 +60,8 @@ class TiledHeads(Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x,) = ctx.saved_tensors  # [bs sl_l h]
-        x = x.detach().requires_grad_(ctx.needs_input_grad[2])
+        (kept,) = ctx.saved_tensors  # [bs sl_l h]: x, or the source x is rebuilt from
+        x = rebuilt(kept, ctx.rebuild).requires_grad_(ctx.needs_input_grad[2])  # [bs sl_l h]
         x_grad = torch.zeros_like(x) if ctx.needs_input_grad[2] else None
         grads = TileGrads("TiledHeads", ctx.params, [ctx.module])
         with zero3_whole(ctx.params), grads.hooked():

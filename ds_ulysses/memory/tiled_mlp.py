@@ -10,6 +10,7 @@ import contextlib
 import torch
 from torch.autograd import Function
 
+from .rebuild import kept_input, rebuilding, rebuilt
 from .tile_grads import TileGrads
 from .tiles import agree_on_shards, auto_mlp_shards, one_grad_per_input, positive_int, seq_tile, tile_bounds, \
     trainable_params, zero3_fetch_with, zero3_whole
@@ -59,7 +60,8 @@ class TiledMLP(Function):
             shards = agree_on_shards(auto_mlp_shards(max(1, x.shape[-2]), x.shape[-1]))
         ctx.fn, ctx.module, ctx.bounds = fn, module, tile_bounds(x.shape[-2], positive_int(shards, "shards"))
         ctx.params = params
-        ctx.save_for_backward(x)
+        kept, ctx.rebuild = kept_input(x)  # a norm's output is kept as the norm's input (see .rebuild)
+        ctx.save_for_backward(kept)
         out, recorded = None, []
         with torch.no_grad():
             for start, stop in ctx.bounds:
@@ -84,16 +86,16 @@ class TiledMLP(Function):
 
     @staticmethod
     def backward(ctx, grad_out, *side_grads):
-        (x,) = ctx.saved_tensors  # [bs, sl, h]
-        shape = x.shape
-        x = x.detach().reshape(-1, shape[-1])  # [n, h]
+        (kept,) = ctx.saved_tensors  # [bs, sl, h]: x, or the source x is rebuilt from
+        shape = kept.shape
+        kept = kept.detach().reshape(-1, shape[-1])  # [n, h]
         grad_out = grad_out.reshape(-1, grad_out.shape[-1])  # [n, h_out]
-        x_grad = torch.empty_like(x) if ctx.needs_input_grad[2] else None
-        bounds = tile_bounds(x.shape[0], len(ctx.bounds))
+        x_grad = torch.empty_like(kept) if ctx.needs_input_grad[2] else None
+        bounds = tile_bounds(kept.shape[0], len(ctx.bounds))
         grads = TileGrads("TiledMLP", ctx.params, [ctx.module])
-        with zero3_whole(ctx.params), grads.hooked():
+        with zero3_whole(ctx.params), rebuilding(ctx.rebuild), grads.hooked():
             for start, stop in bounds:
-                tile = x[start:stop].requires_grad_(x_grad is not None)  # [n_t, h]
+                tile = rebuilt(kept[start:stop], ctx.rebuild).requires_grad_(x_grad is not None)  # [n_t, h]
                 with _recording(ctx.side if ctx.side_count else None, backward=True) as got, torch.enable_grad():
                     y = ctx.fn(ctx.module, tile)  # [n_t, h_out]
                 if len(got) != ctx.side_count:

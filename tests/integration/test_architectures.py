@@ -54,7 +54,9 @@ ENGINE = ["llama@tiled", "cohere@tiled", "granite@tiled", "gemma3_text@tiled",
           "gemma3_text@all-tools",  # loss tiles, tiled MLPs and offload at once; a tied, soft-capped head
           "llama@attention",        # tiled attention under ZeRO-3: the projections gathered once per pass
           "gemma3_text@attention",  # per-head q/k norms, sliding layers
-          "olmo2@attention"]        # a q/k norm over all heads' features: tiled_attention refused
+          "olmo2@attention",        # a q/k norm over all heads' features: tiled_attention refused
+          "gemma3_text@norms",      # tiled norms: sandwich norms, (1 + weight) scaling, a tied head
+          "olmo2@norms"]            # norms after the blocks, on their outputs
 # the cause a refusal must name
 REFUSED_FOR = {"opt@mlp": "tiled_mlp is enabled but OPTForCausalLM's decoder has no module named 'mlp'",
                "olmo2@attention": "its q_norm normalises every head's features together",
@@ -62,7 +64,7 @@ REFUSED_FOR = {"opt@mlp": "tiled_mlp is enabled but OPTForCausalLM's decoder has
                "llama4_text+temperature": "by each token's position (attn_temperature_tuning, floor_scale=4)"}
 # served, never refused
 EXACT = {"llama", "mixtral", "mixtral+aux", "gpt_bigcode", "llama4_text+full", "llama@tiled", "qwen2_moe+aux@tiled",
-         "mixtral+aux@mlp", "llama@attention", "gemma3_text@attention"}
+         "mixtral+aux@mlp", "llama@attention", "gemma3_text@attention", "gemma3_text@norms", "olmo2@norms"}
 
 
 def _names(params) -> list[str]:

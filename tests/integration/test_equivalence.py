@@ -49,8 +49,9 @@ CASES = {
     # tiled attention: each block a group of heads at a time, each group's all-to-alls and core of its own; GQA
     # groups whose one KV head is replicated over both ranks, packed documents, per-head q/k norms, flash's path
     "tiled-attention-sp2": (2, dict(family="llama", heads=4, kv_heads=2, length=32, tiled_attention="auto")),
+    # with tiled norms: the blocks keep the norms' inputs and rebuild their outputs in backward
     "tiled-attention-packed-sp4": (4, dict(family="qwen3", heads=8, kv_heads=4, length=40, docs=[9, 31],
-                                           tiled_attention=2)),
+                                           tiled_attention=2, tiled_norms=True)),
     "tiled-attention-flash-standin-sp2": (2, dict(family="llama", heads=4, kv_heads=2, attn="flash_attention_2",
                                                   length=30, left_pad=(7,), tiled_attention="auto")),
     # GPT-OSS's attention sinks, one per query head, 6 heads on 4 ranks (2, 2, 1, 1): each rank's core gets its

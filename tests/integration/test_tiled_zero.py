@@ -8,8 +8,8 @@ the model's ``forward``, ZeRO-3 with its default persistence thresholds. Beyond 
 to the embedding, gradient accumulation (the engine scales each micro-batch's loss by 1/GAS, an
 incoming gradient of 0.5 that DeepSpeed's own fused loss ignores for parameters), two optimizer
 steps (ZeRO-3 releases parameters by its recorded trace from the second), ranks of different lengths
-agreeing on "auto" tile counts, a Llama with ``tile_mlps`` and activation-checkpoint offload, and the
-parameter elements ZeRO-3 gathers in each step for it against DeepSpeed's TiledMLP recipe, and for
+agreeing on "auto" tile counts, a Llama with ``tile_mlps``, tiled attention and norms and
+activation-checkpoint offload, and the parameter elements ZeRO-3 gathers in each step for it against DeepSpeed's TiledMLP recipe, and for
 ``sequence_tiled_compute`` against DeepSpeed's (no more, and no blocking gather, also in the first two
 steps, before ZeRO has a trace to prefetch by), and DeepSpeed's
 ``TiledFusedLogitsLoss`` and ``sequence_tiled_compute`` beside ours as the loss of a model with a tied
@@ -304,10 +304,12 @@ def _ragged_ranks_scenario(rank, world_size, stage):
 
 
 def _llama_scenario(rank, world_size, steps=2):
-    """A HF Llama under ZeRO-3 with tile_mlps and activation-checkpoint offload, vs plain torch."""
+    """A HF Llama under ZeRO-3 with tile_mlps, tiled attention, tiled norms (the blocks rebuilding the norms'
+    outputs: the norm weights gathered for it, every weight partitioned) and activation-checkpoint offload, vs
+    plain torch."""
     import deepspeed
 
-    from ds_ulysses import enable_activation_checkpoint_offload
+    from ds_ulysses import enable_activation_checkpoint_offload, tile_attention, tile_norms
     from ds_ulysses.memory import offload, tile_mlps
     from tests.support.models import tiny_config, tiny_model
 
@@ -316,7 +318,7 @@ def _llama_scenario(rank, world_size, steps=2):
     packed, pack = [], offload._pack_to_host
     offload._pack_to_host = lambda t: packed.append(1) or pack(t)  # count what the pack hook moves
     result = {"mlps": tile_mlps(model, shards="auto"), "offloaded_layers": enable_activation_checkpoint_offload(model),
-              "errors": {}}
+              "attention": tile_attention(model), "norms": tile_norms(model), "errors": {}}
     config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
@@ -491,7 +493,8 @@ def test_tiled_functions_in_zero_engines_equal_the_untiled_model(stage):
 
         llama = result["llama"]
         if stage == 3:
-            assert llama["mlps"] >= 2 and llama["offloaded_layers"] == llama["mlps"]
+            assert llama["mlps"] >= 2 and llama["offloaded_layers"] == llama["mlps"] == llama["attention"]
+            assert llama["norms"] == 2 * llama["mlps"] + 1
             assert llama["packed"] >= 2 * llama["mlps"], "checkpointed layer inputs did not go through the offload hook"
             assert llama["errors"].pop("loss") <= TOL
             bad = {n: e for n, e in llama["errors"].items() if e > 1e-4}

@@ -55,10 +55,12 @@ def test_trainer_trains_evaluates_and_saves_like_one_process_without_sp(stage, s
             assert rel_err(param.detach(), want) <= 1e-6, name
 
 
-def test_tiled_attention_and_mlps_under_checkpointing_train_like_one_process_without_sp(reference, tmp_path):
-    """The section's tiled attention (each block a group of heads at a time) and tiled MLPs, inside the Trainer's
-    gradient checkpointing (each group recomputed within the layer's recompute), ZeRO-3."""
-    extra = {"tiled_attention": {"enabled": True}, "tiled_mlp": {"enabled": True, "shards": 2}}
+def test_tiled_attention_mlps_and_norms_under_checkpointing_train_like_one_process_without_sp(reference, tmp_path):
+    """The section's tiled attention (each block a group of heads at a time), tiled MLPs and tiled norms (the blocks
+    rebuilding the norms' outputs), inside the Trainer's gradient checkpointing (each group recomputed within the
+    layer's recompute), ZeRO-3."""
+    extra = {"tiled_attention": {"enabled": True}, "tiled_mlp": {"enabled": True, "shards": 2},
+             "tiled_norms": {"enabled": True}}
     run = functools.partial(tc.trainer_run, section_extra=extra, checkpointing=True)
     for res in run_distributed(run, 2, 3, "section", str(tmp_path), STEPS, timeout=600):
         assert res["tiled_blocks"] == 2  # both layers' attention blocks ran tiled

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ds_ulysses import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
-from ds_ulysses import enable_sp_loss, tile_attention
+from ds_ulysses import enable_sp_loss, tile_attention, tile_norms
 from ds_ulysses.memory import TiledHeads
 
 from tests.support.models import VOCAB, rel_err, tiny_config, tiny_model
@@ -122,7 +122,8 @@ def _build(case: dict, world_size: int):
 def sp_vs_reference(rank: int, world_size: int, case: dict) -> dict:
     """Train one step per SP micro-batch; compare loss and SP-summed grads to the unsharded model
     (``case["compile"]``: the SP model run through ``torch.compile`` with that backend;
-    ``case["tiled_attention"]``: its attention blocks tiled over that many head groups, or "auto")."""
+    ``case["tiled_attention"]``: its attention blocks tiled over that many head groups, or "auto";
+    ``case["tiled_norms"]``: its norms tiled)."""
     base, samples, bs = _build(case, world_size)
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
     core = case.get("attn", "sdpa")
@@ -141,6 +142,8 @@ def sp_vs_reference(rank: int, world_size: int, case: dict) -> dict:
             return forward(ctx, fn, module, x, groups, *params)
 
         TiledHeads.forward = staticmethod(counted)
+    if case.get("tiled_norms"):  # the decoder's norms recomputed; the tiled blocks keep their inputs
+        tile_norms(model)
     loader = UlyssesSPDataLoaderAdapter([samples[rank]], mpu.get_sequence_parallel_rank(),
                                         mpu.get_sequence_parallel_group(), world_size, "cpu")
     run = torch.compile(model, backend=case["compile"]) if "compile" in case else model
