@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..constants import IGNORE_INDEX
+from .tile_grads import add_product_to_grad
 from .tiles import one_grad_per_input, storage_holders
 
 __all__ = ["LinearCrossEntropySum", "linear_cross_entropy_sum", "fusable_head", "TileBuffers"]
@@ -109,10 +110,12 @@ class LinearCrossEntropySum(torch.autograd.Function):
         if ctx.scale != 1.0:
             grad = grad.mul_(ctx.scale)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        # [V n] @ [n h] -> [V h]: inside a tiled loss, added into the tiles' sum in place (no second [V h])
+        weight_grad = None if not need_w or add_product_to_grad(weight, grad.t(), x) else grad.t() @ x
         return one_grad_per_input(
             LinearCrossEntropySum.forward,
             x=grad @ weight if need_x else None,  # [n V] @ [V h] -> [n h]
-            weight=grad.t() @ x if need_w else None,  # [V n] @ [n h] -> [V h]
+            weight=weight_grad,
             bias=grad.sum(0) if need_b and ctx.has_bias else None)  # [n V] -> [V]
 
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from .tiles import storage_holders, zero3_whole_at_accumulation
 
-__all__ = ["TileGrads"]
+__all__ = ["TileGrads", "add_product_to_grad"]
 
 
 class TileGrads:
@@ -60,15 +60,22 @@ class TileGrads:
         registered on entry (their users' hooks set aside), an undeclared leaf's when a tile first
         reaches it; on exit ours are removed and the users' put back."""
         set_aside = [_set_aside_hooks(p) for p in self.declared]
+        outer_sinks = [vars(p).get(_SINK) for p in self.declared]
         try:
             self._handles = [p.register_hook(self._taking(total)) for p, total in zip(self.declared, self.sums)]
+            for p, total in zip(self.declared, self.sums):
+                vars(p)[_SINK] = (self, total)
             yield self
         finally:
             handles, self._handles = self._handles or [], None
             for handle in handles:
                 handle.remove()
-            for p, hooks in zip(self.declared, set_aside):
+            for p, hooks, outer in zip(self.declared, set_aside, outer_sinks):
                 _put_back_hooks(p, hooks)
+                if outer is None:
+                    vars(p).pop(_SINK, None)
+                else:
+                    vars(p)[_SINK] = outer
 
     def backprop(self, out, grad_out, tile=None, into=None, weight=1.0, keep=True, accumulate=False):
         """Backpropagates one tile's `out` given `grad_out`, its gradients times `weight`: the parameter
@@ -147,7 +154,7 @@ class TileGrads:
 
         def hook(grad):
             nonlocal zero
-            if self._weight is None:
+            if self._weight is None or grad is None:  # None: a Function added its part itself (add_product_to_grad)
                 return None
             if self._keep:
                 total.add(grad, weight=self._weight)
@@ -174,6 +181,22 @@ class TileGrads:
 
 
 _REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction._backward_cls
+_SINK = "_ds_ulysses_tile_sum"  # on a declared parameter inside hooked(): (its TileGrads, its running sum)
+
+
+def add_product_to_grad(param, a, b) -> bool:
+    """For a Function's backward whose gradient for ``param`` is a matmul ``a @ b`` (a linear head's weight:
+    ``[V, n] @ [n, h]``): inside a tile's :meth:`TileGrads.backprop`, add it, times the tile's weight, into
+    the tiles' running sum for ``param`` in place (``addmm_``) and return True, so the Function returns None
+    for ``param``; False anywhere else, where it returns the product. The sum then never stands beside a
+    tile's own parameter-sized gradient: for an lm_head, one ``[V, h]`` tensor at the loss's peak, not two."""
+    held = vars(param).get(_SINK)
+    if held is None or held[0]._weight is None:
+        return False
+    grads, total = held
+    if grads._keep:
+        total.add_product(a, b, grads._weight)
+    return True
 
 
 @functools.lru_cache(maxsize=None)
@@ -225,6 +248,17 @@ class _Sum:
         if not self.owned:
             self.total, self.owned = (self.total if self._sole_holder() else self.total.clone()), True
         self.total.add_(grad, alpha=weight)
+
+    def add_product(self, a, b, weight=1.0):
+        """Add ``weight * (a @ b)`` without a product-sized temporary once the sum owns its tensor."""
+        if self.total is None:
+            self.total, self.owned = torch.mm(a, b), True
+            if weight != 1:
+                self.total.mul_(weight)
+            return
+        if not self.owned:
+            self.total, self.owned = (self.total if self._sole_holder() else self.total.clone()), True
+        self.total.addmm_(a, b, alpha=weight)
 
     def take(self, scale=None):
         total, owned = self.total, self.owned

@@ -5,12 +5,16 @@ bf16: 1e-2, about two bf16 ulps (2**-8 each): the soft cap's derivative is taken
 the capped logits, where autograd takes it in bf16; without a soft cap the two agree to the bit here.
 """
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ds_ulysses.memory import fused_ce
+from ds_ulysses.memory import TiledFusedLogitsLoss, fused_ce
 from ds_ulysses.memory.fused_ce import fusable_head, linear_cross_entropy_sum
 
 from .helpers import TOL, rel
@@ -163,3 +167,48 @@ def test_a_buffer_a_live_graph_still_holds_is_not_lent_again():
                                                                                            None), params)
     for g, r in zip(got, want):
         assert rel(g, r) <= TOL
+
+
+class _LiveShapes(TorchDispatchMode):
+    """The most tensors of ``shape`` that ops allocated and that were alive at once (weak references)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.live, self.most = torch.Size(shape), 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)}
+        for t in pytree.tree_leaves(out):
+            if torch.is_tensor(t) and t.shape == self.shape and t.untyped_storage().data_ptr() not in ins:
+                self.live += 1
+                self.most = max(self.most, self.live)
+                weakref.finalize(t.untyped_storage(), self._freed)
+        return out
+
+    def _freed(self):
+        self.live -= 1
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_tiled_loss_sums_the_head_gradient_in_place_one_vocab_by_hidden_tensor_at_a_time(tied):
+    """Each tile's ``[V, h]`` head gradient goes into the tiles' running sum (addmm_), not beside it; the sum is
+    the gradient the untiled head and cross-entropy give (a head tied to an embedding too)."""
+    torch.manual_seed(0)
+    vocab, hidden, n = 50, 8, 40
+    head, embed = nn.Linear(hidden, vocab, bias=False), nn.Embedding(vocab, hidden)
+    if tied:
+        head.weight = embed.weight
+    ids, y = torch.randint(0, vocab, (n,)), torch.randint(0, vocab, (n,))
+
+    def loss_fn(module, x, labels):
+        return linear_cross_entropy_sum(x, module.weight, None, labels)
+
+    want = F.cross_entropy(head(embed(ids) * 1.5), y, reduction="sum")
+    want_grad = torch.autograd.grad(want, head.weight)[0]
+    hidden_states = embed(ids) * 1.5
+    with _LiveShapes((vocab, hidden)) as live:  # the tiled loss computes its gradients in forward, tile by tile
+        got = TiledFusedLogitsLoss.apply(loss_fn, head, hidden_states, y, None, 4, None, "sum")
+    assert live.most == 1  # the sum alone, where a tile's own [V, h] beside it made two
+    got_grad = torch.autograd.grad(got, head.weight)[0]
+    assert rel(got, want) <= TOL and rel(got_grad, want_grad) <= TOL
