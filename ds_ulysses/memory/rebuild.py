@@ -28,12 +28,16 @@ _ATTR = "_ds_ulysses_rebuild"
 class Rebuild:
     """How to compute a marked tensor again from the tensor it was made of: ``fn(module, source_tile)`` (a
     token-wise function: any ``[..., h]`` tile of the source to the same tile of the output), which reads
-    ``params`` (gathered around it under ZeRO-3). Holds no tensor, so a Function may keep it on its ctx."""
+    ``params`` (gathered around it under ZeRO-3). ``view`` and ``version`` identify the marked tensor (its
+    shape, strides, storage offset and in-place version). Holds no tensor, so a Function may keep it on its
+    ctx."""
 
-    __slots__ = ("fn", "module", "params", "version")
+    __slots__ = ("fn", "module", "params", "view", "version")
 
-    def __init__(self, fn, module, params, version: int):
-        self.fn, self.module, self.params, self.version = fn, module, list(params), version
+    def __init__(self, fn, module, params, marked: torch.Tensor):
+        self.fn, self.module, self.params = fn, module, list(params)
+        self.view = (marked.shape, marked.stride(), marked.storage_offset(), marked.dtype)
+        self.version = marked._version
 
     def rows(self, source: torch.Tensor) -> torch.Tensor:
         """The output for ``source`` (a tile of the marked tensor's source), without autograd."""
@@ -42,20 +46,27 @@ class Rebuild:
 
 
 def mark_rebuildable(out: torch.Tensor, fn, module, source: torch.Tensor, params) -> torch.Tensor:
-    """Mark ``out`` (``fn(module, source)``, same shape) as rebuildable from ``source``; returns ``out``."""
-    setattr(out, _ATTR, (Rebuild(fn, module, params, out._version), source))
+    """Mark ``out`` (``fn(module, source)``, same shape) as rebuildable from ``source``; returns ``out``.
+
+    The mark sits on ``out``'s storage, not on the tensor object: a module hook may hand the block another
+    tensor object on the same memory (ZeRO-3's forward hooks pass every module output through an autograd
+    Function that returns ``output.detach()``), which is still the same values as long as it is the same
+    view at the same version."""
+    setattr(out.untyped_storage(), _ATTR, (Rebuild(fn, module, params, out), source))
     return out
 
 
 def kept_input(x: torch.Tensor) -> tuple[torch.Tensor, Rebuild | None]:
     """What a tiled Function keeps for backward in place of its input ``x``: the source ``x`` was marked
-    rebuildable from and how to rebuild it, or ``x`` itself and None (an unmarked input; one changed in place
-    since it was made; a source of another shape or dtype, whose gradient buffer would not be ``x``'s)."""
-    marked = getattr(x, _ATTR, None)
+    rebuildable from and how to rebuild it, or ``x`` itself and None (an unmarked input; another view of a
+    marked one's memory; one changed in place since it was made; a source of another shape or dtype, whose
+    gradient buffer would not be ``x``'s)."""
+    marked = getattr(x.untyped_storage(), _ATTR, None)
     if marked is None:
         return x, None
     how, source = marked
-    if x._version != how.version or source.shape != x.shape or source.dtype != x.dtype:
+    same_view = (x.shape, x.stride(), x.storage_offset(), x.dtype) == how.view and x._version == how.version
+    if not same_view or source.shape != x.shape or source.dtype != x.dtype:
         return x, None
     return source, how
 

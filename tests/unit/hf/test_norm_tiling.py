@@ -80,13 +80,28 @@ def _saved_hidden(model, ids) -> list[torch.dtype]:
     return list(seen.values())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_layer_keeps_only_its_residual_stream(dtype):
+class _Alias(torch.autograd.Function):
+    """What ZeRO-3's module hooks do to every module output: another tensor object on the same memory."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+@pytest.mark.parametrize("dtype,aliased", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_a_layer_keeps_only_its_residual_stream(dtype, aliased):
     config = tiny_config("llama", heads=4, kv_heads=2, layers=3)
     layers, ids = config.num_hidden_layers, _ids()
     model = tiny_model(config).to(dtype)
     tile_mlps(model, 3)
     tile_attention(model, 1, 2)
+    if aliased:
+        for _, norm in norm_modules(model):
+            norm.register_forward_hook(lambda _m, _args, out: _Alias.apply(out))
     # per layer: its input, the norm's normalised copy, the norm's output the block keeps, twice (before the
     # attention, before the MLP); the final norm's input, copy and output (lm_head keeps it); under bf16 the
     # norms' fp32 upcasts on top
