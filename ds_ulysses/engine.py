@@ -159,7 +159,7 @@ def prepare_model(model, section: UlyssesConfig, mesh: Mesh, micro_batch_size: i
     if section.tiled_norms.enabled:
         tile_norms(model)
     if section.activation_checkpoint_offload.enabled:
-        enable_activation_checkpoint_offload(model)
+        enable_activation_checkpoint_offload(model, section.activation_checkpoint_offload.layers)
 
 
 def _require_mlps(model) -> None:

@@ -128,6 +128,8 @@ class ActivationCheckpointOffloadConfig(_Section):
 
     enabled: bool = False
     """Off by default: costs host memory and PCIe traffic and needs activation checkpointing."""
+    layers: int | Literal["all"] = "all"
+    """Checkpointed decoder layers that offload, from the first; the others keep their checkpoints on the device."""
 
 
 @dataclass(frozen=True)

@@ -11,16 +11,22 @@ __all__ = ["enable_activation_checkpoint_offload", "disable_activation_checkpoin
 _TAG = "checkpoint_offload"
 
 
-def enable_activation_checkpoint_offload(model):
-    """Offload the checkpointed inputs of every gradient-checkpointed layer of a HF `model` to the host.
+def enable_activation_checkpoint_offload(model, layers="all"):
+    """Offload the checkpointed inputs of the gradient-checkpointed layers of a HF `model` to the host:
+    every one, or the first `layers` (an int: the others keep theirs on the device, for a host that cannot
+    hold one hidden-sized tensor per token for every layer).
 
     Turns gradient checkpointing on first if it is off (non-reentrant, the mode that composes with
     ZeRO-3 and with saved-tensor hooks). `model` may be the HF model or anything containing it (a
-    PEFT wrapper, a DeepSpeed engine). Idempotent; returns how many layers offload. Call it again
-    after a later `gradient_checkpointing_enable()`, which installs fresh checkpoint functions.
+    PEFT wrapper, a DeepSpeed engine). Idempotent; returns how many layers offload (a later call with fewer
+    `layers` stops the rest). Call it again after a later `gradient_checkpointing_enable()`, which installs
+    fresh checkpoint functions.
     Undone by `disable_activation_checkpoint_offload` or `ds_ulysses.uninstall`.
     """
     check_checkpoint_offload(model)
+    if layers != "all" and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 0):
+        raise ValueError(f"activation checkpoint offload: layers must be \"all\" or a count >= 0, got {layers!r}; "
+                         "pass e.g. layers=16 to offload the first 16 layers' checkpoints")
     if not checkpointing_on(model):
         owner = _checkpointing_owner(model)
         enable = getattr(owner, "activation_checkpointing_enable", None)
@@ -30,12 +36,14 @@ def enable_activation_checkpoint_offload(model):
         else:
             owner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             PATCHES.on_undo(owner.gradient_checkpointing_disable, _TAG, owner=model)
-    count = 0
-    for module in _checkpointed_layers(model):
+    checkpointed = _checkpointed_layers(model)
+    count = len(checkpointed) if layers == "all" else min(layers, len(checkpointed))
+    for module in checkpointed[count:]:  # one an earlier call offloaded stops
+        _unwrap(module)
+    for module in checkpointed[:count]:
         if not isinstance(module._gradient_checkpointing_func, OffloadedCheckpoint):
             module._gradient_checkpointing_func = OffloadedCheckpoint(module._gradient_checkpointing_func)
             PATCHES.on_undo(lambda module=module: _unwrap(module), _TAG, owner=model)
-        count += 1
     return count
 
 

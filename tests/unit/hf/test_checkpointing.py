@@ -170,3 +170,28 @@ def test_model_transformers_cannot_checkpoint_is_refused_naming_the_switch():
                                          r'"activation_checkpoint_offload": \{"enabled": false\}'):
         enable_activation_checkpoint_offload(model)
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def test_a_subset_of_layers_offloads_the_rest_keep_their_checkpoints(moves):
+    """``layers=1``: the first layer's checkpointed input goes to the host, the second's stays; the numbers are
+    the plain model's. A later call with more layers offloads them too, with fewer stops the rest."""
+    packed, unpacked = moves
+    model = tiny_llama()
+    ids, labels = batch(2)
+    want_loss, want = loss_and_grads(model, ids, labels)
+    assert enable_activation_checkpoint_offload(model, layers=1) == 1
+    got_loss, got = loss_and_grads(model, ids, labels)
+    assert rel(got_loss, want_loss) <= TOL
+    bad = {n: rel(got[n], want[n]) for n in want if rel(got[n], want[n]) > TOL}
+    assert not bad, bad
+    hidden = (2, ids.shape[1], HIDDEN)
+    assert packed.count(hidden) == unpacked.count(hidden) == 1
+    layers = model.model.layers
+    assert [isinstance(vars(m).get("_gradient_checkpointing_func"), offload.OffloadedCheckpoint) for m in layers] \
+        == [True, False]
+    assert enable_activation_checkpoint_offload(model) == LAYERS
+    assert enable_activation_checkpoint_offload(model, layers=0) == 0
+    assert not any(isinstance(vars(m).get("_gradient_checkpointing_func"), offload.OffloadedCheckpoint)
+                   for m in layers)
+    with pytest.raises(ValueError, match="layers must be \"all\" or a count >= 0, got -1"):
+        enable_activation_checkpoint_offload(model, layers=-1)
