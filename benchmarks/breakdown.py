@@ -38,8 +38,8 @@ counts that ``ds_ulysses.planner`` holds with the record they came from (``MEASU
 Arms: ``deepspeed-alst`` (benchmarks.rank's ArcticTraining setup: DeepSpeed's TiledMLP, TiledFusedLogitsLoss,
 gradient checkpointing) and ``ours`` with the section's ALST switches (``tiled_mlp`` and
 ``activation_checkpoint_offload`` on, ``tiled_loss`` on by default); ``--tiled-attention N`` adds
-``ours[tiled_attention]`` with ``"tiled_attention": {"enabled": true, "shards": N}`` on top (passed through as
-given: it runs once the section has that field).
+``ours[tiled_attention]`` with ``"tiled_attention": {"enabled": true, "shards": N}`` on top, and
+``--tiled-norms`` one more arm with ``"tiled_norms": {"enabled": true}`` on top of the last.
 """
 
 from __future__ import annotations
@@ -493,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiled-attention", type=int, default=0, metavar="N",
                         help="add an arm ours[tiled_attention] with \"tiled_attention\": {\"enabled\": true, "
                              "\"shards\": N} (needs a ds_ulysses whose section has that field)")
+    parser.add_argument("--tiled-norms", action="store_true",
+                        help="add an arm with \"tiled_norms\": {\"enabled\": true} on top of ours (of "
+                             "ours[tiled_attention] with --tiled-attention)")
     parser.add_argument("--model", action="append", default=[], metavar="KEY=INT",
                         help="model overrides on issue 67's Llama-3.1-8B-shaped model (hidden 1024, ...)")
     parser.add_argument("--warmup", type=int, default=1)
@@ -517,6 +520,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.tiled_attention:
             arms["ours[tiled_attention]"] = ("ours", {**ALST_SECTION, "tiled_attention": {
                 "enabled": True, "shards": args.tiled_attention}})
+        if args.tiled_norms:  # on top of the tiled-attention arm when there is one
+            base = arms["ours[tiled_attention]"][1] if args.tiled_attention else ALST_SECTION
+            name = "ours[tiled_attention,tiled_norms]" if args.tiled_attention else "ours[tiled_norms]"
+            arms[name] = ("ours", {**base, "tiled_norms": {"enabled": True}})
         ops.use_venv_cache()
         ops.build()
         run_breakdown(sorted(seq_lens), args.sp, arms, out, model, args.warmup, args.steps)
