@@ -28,7 +28,7 @@ from pathlib import Path
 __all__ = ["ROOT", "PAGES", "BLOCKS", "render", "stale_pages", "main"]
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ("README.md", "docs/config.md", "docs/benchmarks.md", "docs/gpu.md", "docs/planner.md")
+PAGES = ("README.md", "docs/config.md", "docs/benchmarks.md", "docs/gpu.md", "docs/planner.md", "docs/memory.md")
 BLOCK = re.compile(r"(<!-- generated: (?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- end generated: (?P=name) -->)",
                    re.DOTALL)
 RESULTS = ROOT / "benchmarks" / "results"
@@ -319,6 +319,19 @@ def longest_table() -> str:
     return "\n".join(rows)
 
 
+def breakdown_table() -> str:
+    """The latest breakdown record of each arm and sp (``benchmarks/results/breakdown.jsonl``; the older ones
+    stay there as history), in :func:`benchmarks.breakdown.format_breakdown`'s tables."""
+    from benchmarks.breakdown import format_breakdown
+
+    latest = {}
+    for record in _records("breakdown.jsonl"):
+        if record.get("kind") == "breakdown" and "error" not in record:
+            latest.pop((record["name"], record["sp"]), None)
+            latest[(record["name"], record["sp"])] = record
+    return format_breakdown(sorted(latest.values(), key=lambda r: (r["name"], -r["sp"])))
+
+
 def _m(tokens: int) -> str:
     return f"{tokens / 1e6:.2f}M" if tokens >= 1_000_000 else f"{tokens // 1024}K"
 
@@ -339,6 +352,7 @@ BLOCKS = {
     "bench-comm": comm_table,
     "bench-planner": planner_table,
     "bench-gpu": gpu_table,
+    "memory-breakdown": breakdown_table,
 }
 
 

@@ -41,7 +41,7 @@ import argparse
 import itertools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .config import resolve_ring_size
@@ -50,9 +50,9 @@ from .memory.tiles import auto_loss_shards, auto_mlp_shards
 from .sp.heads import plan_attention_groups
 
 __all__ = ["parse_size", "ModelDims", "Setup", "KNOWN_MODELS", "load_dims", "layer_units", "SegmentTerms",
-           "MEASURED_TERMS", "RECIPES", "tile_rows", "tiled_attention_units", "INDEX_LIMIT", "largest_tensor",
-           "segment_peaks", "step_peak", "breakdown", "fits", "recommend", "max_seq_len", "cpu_rss", "ulysses_section",
-           "layer_traffic", "add_arguments", "run_command"]
+           "MEASURED_TERMS", "TILED_NORMS_FIT", "RECIPES", "tile_rows", "tiled_attention_units", "INDEX_LIMIT",
+           "largest_tensor", "segment_peaks", "step_peak", "breakdown", "fits", "recommend", "host_fitted",
+           "max_seq_len", "cpu_rss", "ulysses_section", "layer_traffic", "add_arguments", "run_command"]
 
 NODE_GPUS = 8  # GPUs per node the plan keeps each Ulysses group within
 
@@ -141,6 +141,13 @@ class Setup:
     ring: int = 1                 # ulysses.ring_size (sp / ring ranks split heads)
     recipe: str = "ours"          # whose tools: "ours" or DeepSpeed's ALST recipe, "deepspeed-alst" (RECIPES)
     tiled_attention: int = 1      # attention head groups computed one at a time (1 = untiled)
+    tiled_norms: bool = False     # ulysses.tiled_norms (norms keep only their input; blocks rebuild their output)
+    offload_layers: int | None = None  # activation_checkpoint_offload.layers: None = all, else the first N
+
+    @property
+    def host_layers(self) -> int | None:
+        """Layers whose checkpoints live on the host: None for all of them, 0 without checkpoint offload."""
+        return self.offload_layers if self.ckpt_offload else 0
 
     @property
     def local(self) -> float:
@@ -192,8 +199,8 @@ MEASURED_TERMS: dict = {  # segment -> SegmentTerms(units, checkpoints, mlp_tile
     "source": ("benchmarks/results/breakdown.jsonl ("
                "deepspeed-alst sp 1: 2026-12-02 16:39 at a561b25+changes, S 3072/4096/5120; "
                "deepspeed-alst sp 2: 2026-12-02 16:17 at a561b25+changes, S 3072/4096/5120; "
-               "ours sp 1: 2026-12-02 16:31 at a561b25+changes, S 3072/4096/5120; "
-               "ours sp 2: 2026-12-02 16:24 at a561b25+changes, S 3072/4096/5120)"),
+               "ours sp 1: 2026-12-03 06:32 at df83df6+changes, S 3072/4096/5120; "
+               "ours sp 2: 2026-12-03 06:22 at df83df6, S 3072/4096/5120)"),
     "terms": {
         "deepspeed-alst": {
             "sp1": {
@@ -211,12 +218,14 @@ MEASURED_TERMS: dict = {  # segment -> SegmentTerms(units, checkpoints, mlp_tile
         "ours": {
             "sp1": {
                 "forward": SegmentTerms(4.75, 0.0, 0.0, 0.0, 0.0, 1.0),
-                "loss": SegmentTerms(1.252, 1.0, 0.0, 1.0, 2.0, 2.001),
+                "loss": SegmentTerms(1.252, 1.0, 0.0, 1.0, 1.0, 2.001),
+                "head backward": SegmentTerms(1.25, 1.0, 0.0, 0.0, 1.0, 1.001),
                 "layer": SegmentTerms(5.758, 0.0, 7.0, 0.0, 0.0, 4.002),
             },
             "sp>1": {
                 "forward": SegmentTerms(0.0, -1.0, 0.0, 0.0, 0.0, 0.0),
-                "loss": SegmentTerms(1.256, 1.0, 0.0, 1.0, 2.0, 2.001),
+                "loss": SegmentTerms(1.256, 1.0, 0.0, 1.0, 1.0, 2.001),
+                "head backward": SegmentTerms(1.254, 1.0, 0.0, 0.0, 1.0, 1.001),
                 "layer": SegmentTerms(6.762, 0.0, 4.994, 0.0, 0.0, 4.002),
             },
         },
@@ -240,6 +249,13 @@ def tile_rows(dims: ModelDims, setup: Setup) -> tuple[int, int]:
 # Llama-3.1-8B-shaped model: per-token units at the layer's peak 6.76 -> 3.25): 3.51 units at 2 groups, so the
 # attention's own full-sequence tensors are 7.02 units at kv heads / heads = 0.25
 _TILED_ATTENTION_FIT = (7.02, 0.25)
+
+
+# What tiled norms take off each segment, fitted from benchmarks/results/breakdown.jsonl (ours[tiled_attention] and
+# ours[tiled_attention,tiled_norms] at sp 2, S 3072/4096/5120, one run): segment -> (per-token units, norm units).
+# A layer's two norms keep only their input, which the residual stream holds anyway (norm 4 -> 0); the final
+# norm's output in the loss and the head's backward is rebuilt per tile (1 -> 0 in each).
+TILED_NORMS_FIT = {"layer": (0.0, 4.0), "loss": (0.0, 1.0), "head backward": (0.0, 1.0)}
 
 
 def tiled_attention_units(dims: ModelDims, shards: int) -> float:
@@ -300,12 +316,26 @@ def segment_peaks(dims: ModelDims, setup: Setup) -> dict[str, tuple[float, float
     for name, t in measured.items():
         terms = t if isinstance(t, SegmentTerms) else SegmentTerms(**t)
         units = terms.units - (tiled_attention_units(dims, setup.tiled_attention) if name == "layer" else 0.0)
+        norm_units = terms.norm_units
+        if setup.tiled_norms:
+            fewer_units, fewer_norms = TILED_NORMS_FIT.get(name, (0.0, 0.0))
+            units, norm_units = units - fewer_units, norm_units - fewer_norms
         ckpt = (terms.checkpoints + dims.layers) * unit
         working = (units * unit + terms.mlp_tiles * rows_m * dims.intermediate * b
                    + terms.loss_tiles * rows_l * dims.vocab * 4 + terms.head_weights * dims.vocab * dims.hidden * 4
-                   + terms.norm_units * setup.local * dims.hidden * 4)
-        out[name] = (working, ckpt) if setup.ckpt_offload else (working + ckpt, 0.0)
+                   + norm_units * setup.local * dims.hidden * 4)
+        host = _host_checkpoints(dims, setup, ckpt, unit)
+        out[name] = (working + ckpt - host, host)
     return out
+
+
+def _host_checkpoints(dims: ModelDims, setup: Setup, ckpt: float, unit: float) -> float:
+    """Bytes of ``ckpt`` (every checkpoint) on the host: all of them when every layer offloads, one layer's
+    input per offloaded layer when only the first N do, none without offload."""
+    layers = setup.host_layers
+    if layers is None or layers >= dims.layers:
+        return ckpt
+    return layers * unit
 
 
 def step_peak(dims: ModelDims, setup: Setup) -> float:
@@ -333,15 +363,17 @@ def breakdown(dims: ModelDims, setup: Setup) -> dict[str, tuple[float, float]]:
     out["gradients + optimizer states"] = (0.0, states) if setup.offload_optimizer else (states, 0.0)
     if segments is not None:
         saved = dims.layers * u
-        out["checkpointed layer inputs"] = (0.0, saved) if setup.ckpt_offload else (saved, 0.0)
-        on_device = {name: d - (0.0 if setup.ckpt_offload else saved) for name, (d, _) in segments.items()}
+        host = _host_checkpoints(dims, setup, saved, u)
+        out["checkpointed layer inputs"] = (saved - host, host)
+        on_device = {name: d - (saved - host) for name, (d, _) in segments.items()}
         peak = max(on_device, key=on_device.get)
         out[f"step working set (measured; peak: {peak})"] = (on_device[peak], 0.0)
         return out
     per_layer = (layer_units(dims, setup) + mlp_units(dims, setup)) * u
     if setup.checkpointing:
         saved = dims.layers * u
-        out["checkpointed layer inputs"] = (0.0, saved) if setup.ckpt_offload else (saved, 0.0)
+        host = _host_checkpoints(dims, setup, saved, u)
+        out["checkpointed layer inputs"] = (saved - host, host)
         out["layer recompute + backward"] = (per_layer + 4 * u, 0.0)  # + incoming and produced grads
     else:
         out["saved activations (all layers)"] = (dims.layers * per_layer + 4 * u, 0.0)
@@ -393,10 +425,10 @@ def _candidates(dims: ModelDims, seq_len: int, gpus: int, act_bytes: int, recipe
     recipe has its tools always on (ArcticTraining's setup, the one measured) and no ring."""
     sps = [sp for sp in range(1, gpus + 1) if gpus % sp == 0 and (recipe == "ours" or sp <= dims.heads)]
     out = []
-    for sp, ckpt, mlp, loss, offload, opt, par, att in itertools.product(
+    for sp, ckpt, mlp, loss, offload, opt, par, att, norms in itertools.product(
             sps, (False, True), (False, True), (False, True), (False, True), (False, True), (False, True),
-            (False, True)):
-        if (offload and not ckpt) or (recipe != "ours" and (not (ckpt and mlp and loss) or att)):
+            (False, True), (False, True)):
+        if (offload and not ckpt) or (recipe != "ours" and (not (ckpt and mlp and loss) or att or norms)):
             continue
         local = max(1, seq_len // sp)
         ring = 1 if sp <= dims.heads else resolve_ring_size("auto", sp, [dims.heads], NODE_GPUS)
@@ -406,9 +438,9 @@ def _candidates(dims: ModelDims, seq_len: int, gpus: int, act_bytes: int, recipe
         setup = Setup(seq_len, gpus, sp, act_bytes, ckpt, offload,
                       auto_mlp_shards(local, dims.hidden) if mlp else 1,
                       auto_loss_shards(local, dims.vocab) if loss else 1, opt, par, ring, recipe=recipe,
-                      tiled_attention=groups)
+                      tiled_attention=groups, tiled_norms=norms)
         cost = (math.log2(sp) * 1.0 + math.log2(ring) * 0.5 + ckpt * 1.0 + mlp * 0.3 + att * 0.4 + loss * 0.1
-                + offload * 0.5 + opt * 0.6 + par * 2.0)
+                + norms * 0.2 + offload * 0.5 + opt * 0.6 + par * 2.0)
         out.append((cost, setup))
     out.sort(key=lambda cs: cs[0])
     return [s for _, s in out]
@@ -420,8 +452,26 @@ def recommend(dims: ModelDims, seq_len: int, gpus: int, gpu_mem: float, cpu_mem:
     """The cheapest setup that fits, or None when nothing does."""
     if recipe not in RECIPES:
         raise ValueError(f"expected a recipe in {RECIPES}, got {recipe!r}")
-    return next((s for s in _candidates(dims, seq_len, gpus, act_bytes, recipe)
-                 if fits(dims, s, gpu_mem, cpu_mem, overhead, index_limit=index_limit)), None)
+    candidates = (host_fitted(dims, s, cpu_mem) for s in _candidates(dims, seq_len, gpus, act_bytes, recipe))
+    return next((s for s in candidates if fits(dims, s, gpu_mem, cpu_mem, overhead, index_limit=index_limit)), None)
+
+
+def host_fitted(dims: ModelDims, setup: Setup, cpu_mem: float | None, gpus_per_node: int = NODE_GPUS) -> Setup:
+    """``setup`` with checkpoint offload limited to the first layers whose checkpoints the host holds
+    (``activation_checkpoint_offload.layers``), when ``cpu_mem`` per node cannot hold every layer's: the host
+    keeps what else it holds (offloaded optimizer states and parameters) and the rest of its budget goes to
+    checkpoints, one hidden-sized tensor per layer and token of each of the node's ranks; the other layers keep
+    theirs on the device. Unchanged without offload, without a host budget, or when every layer fits."""
+    if not setup.ckpt_offload or cpu_mem is None:
+        return setup
+    ranks = min(setup.gpus, gpus_per_node)
+    every = replace(setup, offload_layers=None)
+    if sum(h for _, h in breakdown(dims, every).values()) * ranks <= cpu_mem:
+        return every
+    other = sum(h for _, h in breakdown(dims, replace(setup, offload_layers=0)).values())
+    per_layer = setup.local * dims.hidden * setup.act_bytes
+    layers = max(0, min(dims.layers - 1, math.floor((cpu_mem / ranks - other) / per_layer)))
+    return replace(setup, offload_layers=layers)
 
 
 def max_seq_len(dims: ModelDims, gpus: int, gpu_mem: float, cpu_mem: float | None = None, act_bytes: int = 2,
@@ -464,7 +514,7 @@ def cpu_rss(dims: ModelDims, seq_len: int, sp: int, section: dict, baseline: flo
     setup = Setup(seq_len, sp, sp, 4, checkpointing=offload, ckpt_offload=offload,
                   tiled_mlp=tiles(cfg.tiled_mlp, auto_mlp_shards(local, dims.hidden)),
                   tiled_loss=tiles(cfg.tiled_loss, auto_loss_shards(local, dims.vocab)),
-                  offload_optimizer=True, offload_param=True)
+                  offload_optimizer=True, offload_param=True, tiled_norms=cfg.tiled_norms.enabled)
     terms = breakdown(dims, setup)
     return baseline + 4 * dims.params + sum(d + h for d, h in terms.values())
 
@@ -480,7 +530,9 @@ def ulysses_section(setup: Setup) -> dict:
         "tiled_attention": {"enabled": setup.tiled_attention > 1,
                             "shards": setup.tiled_attention if setup.tiled_attention > 1 else "auto"},
         "tiled_loss": {"enabled": setup.tiled_loss > 1, "shards": setup.tiled_loss if setup.tiled_loss > 1 else "auto"},
-        "activation_checkpoint_offload": {"enabled": setup.ckpt_offload},
+        "activation_checkpoint_offload": {"enabled": setup.ckpt_offload, **(
+            {} if setup.offload_layers is None else {"layers": setup.offload_layers})},
+        "tiled_norms": {"enabled": setup.tiled_norms},
     }
     UlyssesConfig.from_dict(section)
     return section

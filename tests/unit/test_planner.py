@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 
 from ds_ulysses import cli
 from ds_ulysses.config import UlyssesConfig, parse_ds_config
-from ds_ulysses.planner import (GIB, INDEX_LIMIT, KNOWN_MODELS, Setup, breakdown, largest_tensor, layer_traffic,
-                                load_dims, max_seq_len, recommend, segment_peaks, tiled_attention_units,
-                                ulysses_section)
+from benchmarks.breakdown import dims_of, measured_terms, planner_terms
+from ds_ulysses.planner import (GIB, INDEX_LIMIT, KNOWN_MODELS, MEASURED_TERMS, TILED_NORMS_FIT, Setup, breakdown,
+                                largest_tensor, layer_traffic, load_dims, max_seq_len, recommend, segment_peaks,
+                                tiled_attention_units, ulysses_section)
 
 LLAMA8B = KNOWN_MODELS["llama-3.1-8b"]
 
@@ -181,3 +184,71 @@ def test_tiled_attention_term_is_one_function_of_the_shards(shards):
     saved = segment_peaks(LLAMA8B, base)["layer"][0] - segment_peaks(LLAMA8B, tiled)["layer"][0]
     assert saved == pytest.approx(tiled_attention_units(LLAMA8B, shards) * (1 << 17) * LLAMA8B.hidden * 2)
     assert (saved == 0) == (shards == 1)
+
+
+def _breakdown_records():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "breakdown.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r.get("kind") == "breakdown" and "error" not in r]
+
+
+def _latest(records, name, sp):
+    return [r for r in records if r["name"] == name and r["sp"] == sp][-1]
+
+
+def test_the_planner_holds_the_fit_of_the_latest_breakdown_records():
+    """Every measured figure the plans use is fitted from benchmarks/results/breakdown.jsonl (printed by
+    ``python -m benchmarks.breakdown --report-only --terms``): a new record without a refit fails here."""
+    fitted = measured_terms(_breakdown_records(), "benchmarks/results/breakdown.jsonl")["terms"]
+    held = {recipe: {sp: {seg: asdict(t) for seg, t in segs.items()} for sp, segs in by_sp.items()}
+            for recipe, by_sp in MEASURED_TERMS["terms"].items()}
+    assert held == fitted
+
+
+def test_tiled_attention_and_tiled_norms_terms_are_the_measured_differences():
+    """What the two switches take off each segment is the difference between the latest records measured side by
+    side in one run (ours, ours[tiled_attention], ours[tiled_attention,tiled_norms], sp 2), in the units the
+    planner counts (per-token units and fp32 norm units)."""
+    records = _breakdown_records()
+    base, attention, norms = (planner_terms(_latest(records, name, 2)) for name in
+                              ("ours", "ours[tiled_attention]", "ours[tiled_attention,tiled_norms]"))
+    dims = dims_of(_latest(records, "ours[tiled_attention]", 2))
+    assert base["layer"]["units"] - attention["layer"]["units"] == pytest.approx(tiled_attention_units(dims, 2),
+                                                                                 abs=0.01)
+    for segment in base:
+        units, norm = TILED_NORMS_FIT.get(segment, (0.0, 0.0))
+        assert attention[segment]["units"] - norms[segment]["units"] == pytest.approx(units, abs=0.01), segment
+        assert attention[segment]["norm_units"] - norms[segment]["norm_units"] == pytest.approx(norm, abs=0.01), \
+            segment
+
+
+def test_tiled_norms_take_their_fit_off_each_segment():
+    base = Setup(1 << 20, 8, 8, ckpt_offload=True, tiled_mlp=32, tiled_loss=512, tiled_attention=4)
+    plain, normed = segment_peaks(LLAMA8B, base), segment_peaks(LLAMA8B, replace(base, tiled_norms=True))
+    fp32_unit = (1 << 17) * LLAMA8B.hidden * 4
+    for segment, (units, norm) in TILED_NORMS_FIT.items():
+        if segment in plain:
+            saved = plain[segment][0] - normed[segment][0]
+            assert saved == pytest.approx(units * fp32_unit / 2 + norm * fp32_unit), segment
+    assert UlyssesConfig.from_dict(ulysses_section(replace(base, tiled_norms=True))).tiled_norms.enabled
+
+
+def test_a_small_host_offloads_the_first_layers_only():
+    """A host budget that cannot hold every layer's checkpoints: the plan offloads the first N layers'
+    (``activation_checkpoint_offload.layers``) and keeps the others on the device; the node's host total stays
+    within the budget and one more layer would pass it."""
+    seq_len, host_budget = 2 << 20, 256 * GIB
+    setup = recommend(LLAMA8B, seq_len, 8, 80 * GIB, host_budget)
+    assert setup is not None and setup.ckpt_offload and 0 < setup.offload_layers < LLAMA8B.layers
+
+    def host(s):
+        return sum(h for _, h in breakdown(LLAMA8B, s).values()) * 8
+
+    assert host(setup) <= host_budget < host(replace(setup, offload_layers=setup.offload_layers + 1))
+    per_layer = setup.local * LLAMA8B.hidden * 2
+    device, on_host = breakdown(LLAMA8B, setup)["checkpointed layer inputs"]
+    assert (device, on_host) == (pytest.approx((LLAMA8B.layers - setup.offload_layers) * per_layer),
+                                 pytest.approx(setup.offload_layers * per_layer))
+    section = UlyssesConfig.from_dict(ulysses_section(setup))
+    assert section.activation_checkpoint_offload.layers == setup.offload_layers
+    assert recommend(LLAMA8B, seq_len, 8, 80 * GIB, 4096 * GIB).offload_layers is None  # the host holds all
