@@ -19,6 +19,7 @@ comparison crosses SP degrees, so its bound is the SP correctness bar (loss 1e-5
 
 import pytest
 
+from ds_ulysses.reshard import ranks
 from tests.support import resume_cases as rc
 from tests.support.distributed import run_distributed
 
@@ -42,7 +43,7 @@ def _check_trainer(result: dict, world: int) -> None:
     whole, resumed = result["whole"], result["resumed"]
     assert len(whole) == 8 and len(resumed) == 4, (whole, resumed)
     worst = max(_rel(a, b) for a, b in zip(resumed, whole[4:]))
-    print(f"trainer resumed at {world} ranks: worst relative loss difference over steps 5-8 {worst:.1e}")
+    print(f"trainer resumed on {ranks(world)}: worst relative loss difference over steps 5-8 {worst:.1e}")
     assert worst <= TOLERANCE, (resumed, whole[4:])
     assert result["refused"] is not None
     assert "global batch: the checkpoint" in result["refused"]

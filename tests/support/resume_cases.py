@@ -14,6 +14,22 @@ DECAY = 0.1
 SAMPLES = 8  # 8 steps of global batch 1: one epoch on every mesh tested
 
 
+def deepspeed_checkpoint(root, tag="global_step4", ranks=2, config=None, zero=True):
+    """What DeepSpeed writes for ``ranks`` ranks: a ``latest`` file and, per rank, the model and (ZeRO)
+    optimizer state files; the model states hold the config it ran with."""
+    tag_dir = root / tag
+    tag_dir.mkdir(parents=True)
+    (root / "latest").write_text(tag)
+    config = config or {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+                        "sequence_parallel_size": 2}
+    for rank in range(ranks):
+        torch.save({"ds_config": config, "dp_world_size": ranks, "module": None},
+                   tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+        if zero:
+            torch.save({}, tag_dir / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    return tag_dir
+
+
 def _config(sp: int) -> dict:
     return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
             "train_batch_size": "auto", "gradient_clipping": "auto",
