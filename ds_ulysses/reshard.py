@@ -320,6 +320,12 @@ def load_on_any_mesh(engine, load_checkpoint, load_dir, tag=None, *args, **kwarg
     asked = inspect.signature(load_checkpoint).bind(load_dir, universal.name, *args, **kwargs)
     asked.apply_defaults()
     optimizer_loaded = asked.arguments["load_optimizer_states"] and not asked.arguments["load_module_only"]
-    if out[0] is not None and optimizer_loaded and engine.zero_optimization_stage() == 3:
+    repaired = out[0] is not None and optimizer_loaded and engine.zero_optimization_stage() == 3
+    if repaired:
         restore_param_groups(engine, universal)
+    from deepspeed.utils import log_dist
+
+    log_dist(f"ds_ulysses: {Path(load_dir) / name} was written by {ranks(partitions)}, this job has "
+             f"{ranks(engine.seq_dp_world_size)}: loaded its universal form {universal.name}/"
+             + ("; each optimizer group's step and hyperparameters restored" if repaired else ""), ranks=[0])
     return out
