@@ -5,7 +5,8 @@ wrong: DeepSpeed #7458, #7672, #7695): the ``(dp, sp)`` mesh is built and handed
 ``mpu`` (so ZeRO reduces gradients over SP peers too, DeepSpeed #6868), the model gets the SP
 attention, the SP loss, and the section's tiling and offload switches, the training data comes back
 already wrapped by the SP adapter, and each ``engine.step()`` gives the host heap's free pages back to
-the OS (``trim_host_heap``, :mod:`ds_ulysses.memory.host`). :func:`install` makes a plain
+the OS (``trim_host_heap``, :mod:`ds_ulysses.memory.host`), and ``engine.load_checkpoint`` loads a
+checkpoint written at another world size (:mod:`ds_ulysses.reshard`). :func:`install` makes a plain
 ``deepspeed.initialize`` (as HF Trainer, Accelerate and existing scripts call it) do the same when the
 config has the section, and makes Accelerate's and the Trainer's own SP path (``parallelism_config``)
 run this package (:mod:`ds_ulysses.hf.trainer`): the two switches are one. Under SP, every forward
@@ -46,6 +47,7 @@ from .hf.trainer import install_accelerate
 from .memory.host import trim_host_heap
 from .memory.mlp_tiling import mlp_modules, tile_mlps
 from .patching import PATCHES
+from .reshard import load_on_any_mesh
 from .sp.data import UlyssesSPDataLoaderAdapter
 from .sp.shards import SHARDS
 
@@ -307,6 +309,13 @@ def _watch_engine(engine, watch: GroupWatch) -> None:
         setattr(engine, name, watched)
 
 
+def _load_on_any_mesh(engine) -> None:
+    """``engine.load_checkpoint`` continues a checkpoint written at another world size (HF Trainer's
+    ``resume_from_checkpoint`` and Accelerate's ``load_state`` call it): converted once to DeepSpeed's
+    universal form, loaded, its parameter groups repaired (:func:`ds_ulysses.reshard.load_on_any_mesh`)."""
+    engine.load_checkpoint = functools.partial(load_on_any_mesh, engine, engine.load_checkpoint)
+
+
 def _trim_after_step(engine) -> None:
     """Give the host heap's free pages back to the OS after each ``engine.step()``
     (``trim_host_heap``, :mod:`ds_ulysses.memory.host`): the step's freed activations then do not stay
@@ -376,6 +385,7 @@ def initialize(model=None, config=None, mesh_param=None, model_parameters=None, 
     if section.tiled_mlp.enabled and engine.zero_optimization_stage() == 3:
         _refuse_leaves_inside_mlps(model)  # DeepSpeed flags its leaf modules in initialize
     _watch_engine(engine, mesh.sp_watch)
+    _load_on_any_mesh(engine)
     if section.trim_host_heap:
         _trim_after_step(engine)
     loader = None

@@ -28,7 +28,8 @@ the Trainer computes the loss with ``deepspeed_sp_compute_loss``. After :func:`d
   per sample, not per token) at its first training forward (:func:`_train`);
 - NEFTune's noise is bounded by the whole sequence's length, not a shard's (:func:`activate_neftune`);
 - the Trainer's resume skips into the adapter (:func:`skip_first_batches`), which Accelerate's
-  version cannot (the adapter is not a DataLoader).
+  version cannot (the adapter is not a DataLoader), and a resume on another mesh is refused before any
+  step when the skip would not continue the run (:mod:`ds_ulysses.hf.resume`).
 
 Evaluation under Accelerate runs without SP: Accelerate registers the attention with
 ``disable_in_eval=True`` and the Trainer's evaluation loop gives each rank whole samples (labels,
@@ -56,6 +57,7 @@ from ..distributed.mesh import Mesh, mesh_shape
 from ..patching import PATCHES
 from ..sp.data import UlyssesSPDataLoaderAdapter
 from .decoder_watch import unserved_loss_scope
+from .resume import check_trainer_resume
 from .router_loss import router_coef
 
 __all__ = ["reconcile", "serve_the_trainer_s_loss", "sp_compute_loss", "skip_first_batches", "install_accelerate",
@@ -301,6 +303,18 @@ def _train(original, trainer, *args, **kwargs):
         return original(trainer, *args, **kwargs)
 
 
+def _init_training_state(original, trainer, max_steps, num_update_steps_per_epoch, num_train_epochs,
+                         resume_from_checkpoint, trial):
+    """A resume whose DeepSpeed config has the "ulysses" section (set by either SP switch) has its data position
+    checked before the engine is built (:func:`ds_ulysses.hf.resume.check_trainer_resume`)."""
+    epochs, skipped = original(trainer, max_steps, num_update_steps_per_epoch, num_train_epochs,
+                               resume_from_checkpoint, trial)
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and SECTION_KEY in plugin.deepspeed_config:
+        check_trainer_resume(trainer, resume_from_checkpoint, skipped)
+    return epochs, skipped
+
+
 def _get_batch_samples(original, trainer, epoch_iterator, num_batches, device):
     """Only the training loop calls it, before the step's first ``training_step`` switches the model to
     train mode: a model fresh from ``from_pretrained`` is still in eval mode for the first step's
@@ -354,7 +368,7 @@ def _around(original, wrapper):
 
 
 def _patch_trainer(tag: str) -> None:
-    """The Trainer's SP loss, its token weighting, its refusals, NEFTune's bound and its resume skip, once
+    """The Trainer's SP loss, its token weighting, its refusals, NEFTune's bound, its resume skip and check, once
     ``transformers.trainer`` is imported."""
     trainer = sys.modules.get("transformers.trainer")
     if trainer is None or PATCHES.has(tag + ":trainer"):
@@ -365,7 +379,7 @@ def _patch_trainer(tag: str) -> None:
     PATCHES.set_attr(trainer, "activate_neftune", functools.partial(activate_neftune, trainer.activate_neftune),
                      tag + ":trainer")
     for name, wrapper in (("train", _train), ("get_batch_samples", _get_batch_samples),
-                          ("compute_loss", _compute_loss)):
+                          ("compute_loss", _compute_loss), ("_init_training_state", _init_training_state)):
         PATCHES.set_attr(trainer.Trainer, name, _around(getattr(trainer.Trainer, name), wrapper), tag + ":trainer")
 
 

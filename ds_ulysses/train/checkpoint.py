@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..reshard import CheckpointError, fsync_dir, safe_torch_load, sha256
+
 __all__ = ["CheckpointError", "Manifest", "model_fingerprint", "save_checkpoint", "find_checkpoint",
            "verify_checkpoint", "check_compatible", "load_checkpoint", "safe_torch_load"]
 
@@ -46,10 +48,6 @@ DS_TAG = "ds"
 MANIFEST = "manifest.json"
 _PREFIX = "step_"
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "architectures")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete, corrupted or made by a different job."""
 
 
 @dataclass(frozen=True)
@@ -95,14 +93,6 @@ def model_fingerprint(config) -> str:
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -146,15 +136,6 @@ def _write_manifest(directory: Path, manifest: Manifest) -> None:
     os.replace(tmp, directory / MANIFEST)
 
 
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename durable: the directory entry itself must reach the disk."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(engine, root, step: int, *, model_config, seq_len: int, tokenizer: str, data: dict,
                     hf_tokenizer=None, keep_last: int = 2) -> Path:
     """Save ``engine`` after ``step`` steps; every rank calls it. Returns the complete directory.
@@ -181,7 +162,7 @@ def save_checkpoint(engine, root, step: int, *, model_config, seq_len: int, toke
         import deepspeed
 
         mesh = engine.mpu
-        files = {p.relative_to(tmp).as_posix(): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = {p.relative_to(tmp).as_posix(): sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         _write_manifest(tmp, Manifest(step, mesh.dp, mesh.sp, mesh.world_size, model_fingerprint(model_config),
                                       seq_len, tokenizer, dict(data), files, zero_partitions=engine.seq_dp_world_size,
                                       rng_ranks=mesh.world_size, deepspeed=deepspeed.__version__))
@@ -193,7 +174,7 @@ def save_checkpoint(engine, root, step: int, *, model_config, seq_len: int, toke
             shutil.rmtree(trash)
         else:
             os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         for old in _complete(root)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old)
     _barrier()
@@ -239,7 +220,7 @@ def verify_checkpoint(directory) -> Manifest:
         raise CheckpointError(f"checkpoint {directory}: expected format {FORMAT}, got {manifest.format}; "
                               "fix: use the ds_ulysses version that wrote it")
     missing = [f for f in manifest.files if not (directory / f).is_file()]
-    corrupt = [f for f, digest in manifest.files.items() if f not in missing and _sha256(directory / f) != digest]
+    corrupt = [f for f, digest in manifest.files.items() if f not in missing and sha256(directory / f) != digest]
     if missing or corrupt:
         raise CheckpointError(
             f"checkpoint {directory} is damaged: expected the {len(manifest.files)} files of its manifest with "
@@ -269,19 +250,6 @@ def check_compatible(manifest: Manifest, directory, *, model_hash: str, seq_len:
         raise CheckpointError(
             f"checkpoint {directory} does not match this job: " + "; ".join(diffs) + ". fix: " + ", ".join(fixes)
             + "; or export it (ds-ulysses export) and start a new run from the export with --model")
-
-
-def _deepspeed_safe_globals() -> list:
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-
-    return [LossScaler, ZeroStageEnum]
-
-
-def safe_torch_load(path, map_location=None):
-    """``torch.load(weights_only=True)`` that also admits DeepSpeed's two checkpoint bookkeeping classes."""
-    with torch.serialization.safe_globals(_deepspeed_safe_globals()):
-        return torch.load(path, map_location=map_location, weights_only=True)
 
 
 def load_checkpoint(engine, directory, manifest: Manifest, tag: str | None = None) -> None:

@@ -22,47 +22,10 @@ On the same mesh layout neither matters: the saved position is taken as it is (m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-from .checkpoint import CheckpointError
+from ..reshard import CheckpointError, Layout, batch_fix, ranks
 
 __all__ = ["ranks", "Layout", "start_position", "advance", "samples_needed", "is_prefix", "continue_position"]
-
-
-def ranks(n: int) -> str:
-    return f"{n} rank" if n == 1 else f"{n} ranks"
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a job reads the stream: ranks, SP degree, micro batch per rank, micro-batches per step."""
-
-    world_size: int
-    sp: int
-    micro_batch: int
-    grad_accum: int
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // self.sp
-
-    @property
-    def refill(self) -> int:
-        """Samples one refill reads (one per rank and micro-batch slot)."""
-        return self.world_size * self.micro_batch
-
-    @property
-    def global_batch(self) -> int:
-        return self.dp * self.micro_batch * self.grad_accum
-
-    def describe(self) -> str:
-        return (f"dp {self.dp} x sp {self.sp} on {ranks(self.world_size)}, micro batch {self.micro_batch}, "
-                f"gradient_accumulation_steps {self.grad_accum}")
-
-    @classmethod
-    def of_checkpoint(cls, manifest) -> Layout:
-        return cls(manifest.world_size, manifest.sp, manifest.data["micro_batch_size"],
-                   manifest.data["gradient_accumulation_steps"])
 
 
 def start_position(layout: Layout, held_out: int, consumed: int = 0) -> dict:
@@ -88,18 +51,7 @@ def samples_needed(position: dict, layout: Layout, steps: int) -> int:
 
 def is_prefix(position: dict, layout: Layout) -> bool:
     """Whether the samples trained so far are exactly the first ``samples_consumed`` of the stream."""
-    return position["skip_micro_batches"] == 0 or layout.dp * layout.micro_batch == 1
-
-
-def _batch_fix(global_batch: int, layout: Layout) -> str:
-    """The setting that gives ``layout``'s mesh the checkpoint's global batch."""
-    per_step = layout.dp * layout.micro_batch
-    if global_batch % per_step == 0:
-        return f"set gradient_accumulation_steps to {global_batch // per_step} for this mesh"
-    if global_batch % layout.dp == 0:
-        return (f"choose train_micro_batch_size_per_gpu x gradient_accumulation_steps = {global_batch // layout.dp} "
-                f"for this mesh (e.g. micro batch 1, gradient_accumulation_steps {global_batch // layout.dp})")
-    return f"launch a mesh whose dp divides {global_batch}"
+    return layout.prefix_after(position["skip_micro_batches"])
 
 
 def continue_position(saved: dict, saved_layout: Layout, layout: Layout, *, allow_batch_change: bool = False) -> dict:
@@ -115,7 +67,7 @@ def continue_position(saved: dict, saved_layout: Layout, layout: Layout, *, allo
         raise CheckpointError(
             f"global batch: the checkpoint trained {saved['global_batch']} samples per step "
             f"({saved_layout.describe()}), this job {layout.global_batch} ({layout.describe()}); a different "
-            f"global batch is a different training run; fix: {_batch_fix(saved['global_batch'], layout)}, or "
+            f"global batch is a different training run; fix: {batch_fix(saved['global_batch'], layout)}, or "
             "pass --allow-batch-change to train on from the checkpoint as a new trajectory")
     if not is_prefix(saved, saved_layout):
         every = saved_layout.sp // math.gcd(saved_layout.sp, saved_layout.grad_accum)

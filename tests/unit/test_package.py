@@ -21,15 +21,16 @@ LAYERS = {
     "distributed": {"constants", "patching", "config"},
     "sp": {"constants", "patching", "config", "distributed"},
     "memory": {"constants", "patching", "config", "distributed"},
-    "hf": {"constants", "patching", "config", "distributed", "sp", "memory"},
-    "engine": {"constants", "patching", "config", "distributed", "sp", "memory", "hf"},
+    "reshard": set(),
+    "hf": {"constants", "patching", "config", "distributed", "sp", "memory", "reshard"},
+    "engine": {"constants", "patching", "config", "distributed", "sp", "memory", "hf", "reshard"},
     "planner": {"constants", "config", "sp", "memory"},
-    "train": {"constants", "patching", "config", "distributed", "sp", "memory", "hf", "engine", "planner"},
+    "train": {"constants", "patching", "config", "distributed", "sp", "memory", "hf", "engine", "planner", "reshard"},
     "cli": {"config", "distributed", "planner", "train"},
     "__init__": {"constants", "patching", "config", "distributed", "sp", "memory", "hf", "engine"},
 }
 # Third-party frameworks, by the layers allowed to import them.
-FRAMEWORKS = {"transformers": {"hf", "train"}, "deepspeed": {"engine", "memory", "train"}}
+FRAMEWORKS = {"transformers": {"hf", "train"}, "deepspeed": {"engine", "memory", "reshard", "train"}}
 
 
 def _modules():
