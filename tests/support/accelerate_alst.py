@@ -69,6 +69,7 @@ def main(out_path: str) -> None:
     if torch.distributed.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump({"losses": losses, "training": unwrapped.training}, f)
+    torch.distributed.barrier()  # every rank's collectives done before the groups go (ds_ulysses.train.job.main)
     accelerator.end_training()
 
 
@@ -90,4 +91,7 @@ def reference(model_dir: str) -> list[float]:
 
 
 if __name__ == "__main__":
+    from ds_ulysses.train.job import leave
+
     main(sys.argv[1])
+    leave(0)  # gloo's workers outlive the groups in globals (the all_gather's defaults): no interpreter teardown
