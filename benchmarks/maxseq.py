@@ -22,6 +22,9 @@ the bracket has closed, ``lo`` is probed a second time (a run's peak RSS moves b
 identical launches, and a length near the budget can fit by luck once): if it fails now, it becomes
 ``hi`` and the search goes on below it. The result is ``lo``: measured to fit in every probe of it,
 at least two, with ``lo + granularity`` measured not to.
+
+Each search is one record (kind ``maxseq``); its table and plot are :func:`benchmarks.mode_tables.format_maxseq`
+and :func:`benchmarks.mode_tables.plot_maxseq`.
 """
 
 from __future__ import annotations

@@ -165,13 +165,14 @@ def run_tiled_suite(seq_lens, iters: int, out: Path, timeout: float = 1800.0, op
     return records
 
 
-def run_breakdown(seq_lens, sps, arms: dict, out: Path, model: dict, warmup: int = 1, steps: int = 1,
+def run_breakdown(seq_lens, sps, arm_sections: dict, out: Path, model: dict, warmup: int = 1, steps: int = 1,
                   timeout: float = 3600.0, log=print) -> list[dict]:
-    """One launch per (arm, sp), each training every length; one record per launch appended to ``out``."""
+    """One launch per (arm, sp), each training every length; one record per launch appended to ``out``.
+    ``arm_sections``: arm name -> (implementation, ``"ulysses"`` section)."""
     records = []
     out.parent.mkdir(parents=True, exist_ok=True)
     for sp in sps:
-        for name, (impl, section) in arms.items():
+        for name, (impl, section) in arm_sections.items():
             spec = {"impl": impl, "loop": "breakdown", "seq_len": max(seq_lens), "seq_lens": list(seq_lens),
                     "sp": sp, "model": model, "section": section, "warmup": warmup, "steps": steps}
             begin = time.monotonic()

@@ -48,16 +48,19 @@ def spread(values: list[float], digits: int = 2) -> str:
 
 
 def seq_text(s: int) -> str:
+    """A sequence length as the tables print it: 4096 -> ``4K``, a length that is no multiple of 1K as is."""
     return f"{s // 1024}K" if s % 1024 == 0 else str(s)
 
 
 def md_table(header: list[str], rows: list[list]) -> str:
+    """A Markdown table of ``rows`` under ``header``."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
 
 def noise_text(n) -> str:
+    """A noise band as the tables print it (``±4.0%``), ``-`` where none was measured."""
     return "-" if n is None else f"±{n:.1%}"
 
 
