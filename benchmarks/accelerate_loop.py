@@ -1,6 +1,6 @@
 """One rank of one benchmark launch in a plain Accelerate loop (``ds-ulysses bench --loop accelerate``).
 
-The same arms as :mod:`benchmarks.rank`, reached the way a user of Accelerate's own loop reaches them
+The same arms as :mod:`benchmarks.engine_loop`, reached the way a user of Accelerate's own loop reaches them
 (``accelerator.prepare`` of model, optimizer and DataLoader, then ``accelerator.backward`` and
 ``optimizer.step``), with the engine loop's model, samples and ZeRO-3 + CPU offload config (the config's
 optimizer, so the loop's optimizer is Accelerate's ``DummyOptim``):
@@ -10,7 +10,7 @@ optimizer, so the loop's optimizer is Accelerate's ``DummyOptim``):
   wraps the DataLoader in its ``UlyssesSPDataLoaderAdapter``; the loop is Accelerate's ALST example: the
   model's loss function on each rank's logits and ``shift_labels`` (``model(**batch).loss`` is ``None``
   there), the SP group's losses weighted by their valid-token counts through a differentiable all-gather
-  (:func:`benchmarks.rank.tutorial_loss`). Accelerate's guide finds the SP group in
+  (:func:`benchmarks.recipes.tutorial_loss`). Accelerate's guide finds the SP group in
   ``accelerator.torch_device_mesh``, which Accelerate 1.15 leaves ``None`` under DeepSpeed SP; the loop
   takes it from DeepSpeed's ``groups``, as Transformers' Trainer does. ds_ulysses is not imported.
 - ``ours``: ``ds_ulysses.install()`` and the ``"ulysses"`` section (with the arm's overrides, our defaults
@@ -30,7 +30,7 @@ A step is one turn of the loop, after a barrier: the next batch (the adapter), t
 faults. ``phases`` split it as :mod:`benchmarks.trainer` does, around the engine's own methods. Memory is the
 RSS high-water mark, reset after ``prepare`` (the engine is built by then). With ``spec["profile"]`` one more
 refill cycle (sp steps) runs after the measured ones (and after their peak is read) under ``torch.profiler``
-(:class:`benchmarks.trainer.StepProfile`; ``bench.forward`` is the loop's loss computation).
+(:class:`benchmarks.framework_loop.StepProfile`; ``bench.forward`` is the loop's loss computation).
 """
 
 from __future__ import annotations
@@ -42,15 +42,16 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from .rank import _hwm_bytes, _minor_faults, _reset_hwm, ds_config, loop_dataset, tap_library, tutorial_loss
-from .trainer import EngineClock, StepProfile, finish_arm, start_arm, tap_counts
+from .framework_loop import EngineClock, StepProfile, finish_arm, start_arm, tap_counts
+from .measure import hwm_bytes, minor_faults, reset_hwm
+from .recipes import ds_config, loop_dataset, tap_library, tutorial_loss
 
 __all__ = ["run"]
 
 
 def run(spec: dict) -> dict:
     """Train ``warmup + steps`` steps of a plain Accelerate loop with one arm; return this rank's
-    measurements in :func:`benchmarks.rank.run`'s shape."""
+    measurements in :func:`benchmarks.engine_loop.run`'s shape."""
     from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig, DummyOptim
@@ -81,8 +82,8 @@ def run(spec: dict) -> dict:
 
         def loss_of(batch):
             return tutorial_loss(model, batch, group, labels_in_batch=True)  # Accelerate's ALST example
-    init_peak = _hwm_bytes()
-    reset_ok = _reset_hwm()
+    init_peak = hwm_bytes()
+    reset_ok = reset_hwm()
     clock.take()
     batches = iter(loader)
 
@@ -102,13 +103,13 @@ def run(spec: dict) -> dict:
             refill = tap.scope_totals("refill")
             tap.reset()
         dist.barrier()
-        begin, cpu, minflt = time.perf_counter(), time.process_time(), _minor_faults()
+        begin, cpu, minflt = time.perf_counter(), time.process_time(), minor_faults()
         tap.phase = "load"
         loss = step()
-        seconds, cpu, minflt = time.perf_counter() - begin, time.process_time() - cpu, _minor_faults() - minflt
+        seconds, cpu, minflt = time.perf_counter() - begin, time.process_time() - cpu, minor_faults() - minflt
         split = clock.take()
         losses.append(float(loss.detach()))
-        step_peaks.append(_hwm_bytes())
+        step_peaks.append(hwm_bytes())
         if i >= spec["warmup"]:
             times.append(seconds)
             cpu_times.append(cpu)
@@ -116,7 +117,7 @@ def run(spec: dict) -> dict:
             phases.append([seconds - sum(split), *split])
     if spec["warmup"] == 0:
         refill = tap.scope_totals("refill")
-    steps_peak = _hwm_bytes()
+    steps_peak = hwm_bytes()
     profile, counted = {}, tap_counts(tap)
     if profiler is not None:
         profiler.start()

@@ -8,7 +8,7 @@ sl_l hs]`` views of token-major memory, as a decoder's projections make them; GQ
 model's heads) around the same core (HF's sdpa), forward + backward, in an order rotated every
 iteration, so machine noise hits all three alike. A launch gives each arm its median time; the
 report takes ours / DeepSpeed per launch and the noise arm's largest distance from DeepSpeed over
-the launches (:func:`benchmarks.report.format_layer`).
+the launches (:func:`benchmarks.mode_tables.format_layer`).
 
 Dimension legend::  bs batch   hc heads   kv KV heads   sl_l local sequence length   hs head size
 
@@ -25,6 +25,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from .arms import NOISE_ARM
 
 __all__ = ["run", "main"]
 
@@ -43,8 +45,6 @@ def run(seq_len: int, iters: int, heads: int = 8, kv_heads: int = 2, head_size: 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from ds_ulysses import UlyssesSPAttentionHF
-
-    from .bench import NOISE_ARM
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")

@@ -2,7 +2,7 @@
 
 For each arm (DeepSpeed's tutorial recipe, DeepSpeed with every ALST tool as ArcticTraining sets
 it up, our defaults, any ``ours[variant]``), at the same sp and on the same model, a *probe* is one
-fresh launch (:func:`benchmarks.bench.launch`) of ``steps`` whole training steps at length S (3 by
+fresh launch (:func:`benchmarks.launch.launch`) of ``steps`` whole training steps at length S (3 by
 default: a training run's RSS keeps growing after its first step, as the allocator keeps what a step
 freed, so one step would flatter every recipe): it fits when every rank's RSS high-water mark (setup
 included) stays within the budget. A probe is stopped the moment a rank passes the budget, so a
@@ -22,18 +22,24 @@ the bracket has closed, ``lo`` is probed a second time (a run's peak RSS moves b
 identical launches, and a length near the budget can fit by luck once): if it fails now, it becomes
 ``hi`` and the search goes on below it. The result is ``lo``: measured to fit in every probe of it,
 at least two, with ``lo + granularity`` measured not to.
+
+Each search is one record (kind ``maxseq``); its table and plot are :func:`benchmarks.mode_tables.format_maxseq`
+and :func:`benchmarks.mode_tables.plot_maxseq`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
 
 from ds_ulysses.constants import GIB
 
-__all__ = ["search", "run_maxseq", "format_maxseq", "latest_searches", "plot_maxseq", "START"]
+from .arms import arms
+from .launch import OverBudget, launch, workdir
+from .records import append_record, stamp
+
+__all__ = ["search", "run_maxseq", "START"]
 
 START = 2048  # the first probe; the second is twice as long
 EXTRAPOLATE = 4  # the line's guess is capped at this many times the longest length that fitted
@@ -86,8 +92,6 @@ def run_maxseq(budget: int, sps, impls, variants: dict, out: Path, model: dict |
                timeout: float = 1800.0, steps: int = 3, log=print) -> list[dict]:
     """Search every arm at every sp, each probe ``steps`` training steps; one record per arm appended to
     ``out``."""
-    from .bench import OverBudget, _workdir, arms, launch, stamp
-
     records = []
     out.parent.mkdir(parents=True, exist_ok=True)
     for sp in sps:
@@ -99,7 +103,7 @@ def run_maxseq(budget: int, sps, impls, variants: dict, out: Path, model: dict |
                 spec = {"impl": impl, "seq_len": seq_len, "sp": sp, "steps": steps, "warmup": 0, "packed_docs": 0,
                         "model": model or {}, "section": section, "profile": False}
                 try:
-                    ranks = launch(spec, sp, _workdir(), timeout, rss_limit=budget)
+                    ranks = launch(spec, sp, workdir(), timeout, rss_limit=budget)
                 except OverBudget:
                     return None
                 peak = max(r["peak"] for r in ranks)
@@ -110,63 +114,8 @@ def run_maxseq(budget: int, sps, impls, variants: dict, out: Path, model: dict |
             record = {"kind": "maxseq", "name": name, "impl": impl, "variant": variant, "section": section, "sp": sp,
                       "budget": budget, "granularity": step, "probe_steps": steps, "model": model or {}, **found,
                       "seconds": time.monotonic() - begin, **stamp()}
-            with open(out, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_record(out, record)
             records.append(record)
             log(f"{name} sp={sp}: longest S {found['max_seq']} ({len(found['probes'])} probes, "
                 f"{record['seconds']:.0f}s)")
     return records
-
-
-def format_maxseq(records: list[dict]) -> str:
-    """One row per (budget, sp, steps per probe, arm): the longest S, the next length measured not to fit,
-    ratios to DeepSpeed's tutorial recipe and to DeepSpeed with every ALST tool searched the same way."""
-    from .report import _k, _table
-
-    latest = latest_searches(records)
-    rows = []
-    for (budget, sp, steps, model, name), rec in sorted(latest.items()):
-        base = latest.get((budget, sp, steps, model, "deepspeed"))
-        alst = latest.get((budget, sp, steps, model, "deepspeed-alst"))
-
-        def ratio(other):
-            if other is None or not other["max_seq"]:
-                return "-"
-            return f"**{rec['max_seq'] / other['max_seq']:.2f}**"
-
-        probes = ", ".join(f"{_k(s)}{'' if p is not None else '✗'}" for s, p in rec["probes"])
-        rows.append([f"{budget / GIB:.2f}", sp, steps, name, _k(rec["max_seq"]) if rec["max_seq"] else "none",
-                     _k(rec["next_failed"]) if rec["next_failed"] else "-", ratio(base), ratio(alst), probes,
-                     f"{rec['seconds'] / 60:.1f}"])
-    return _table(["budget GiB/rank", "sp", "steps per probe", "arm", "longest S that fits", "next S (over budget)",
-                   "vs DeepSpeed tutorial", "vs DeepSpeed + ALST tools", "probes (✗: over budget)", "minutes"], rows)
-
-
-def latest_searches(records: list[dict]) -> dict:
-    """(budget, sp, steps per probe, model, arm) -> that arm's latest search: what the table and plot show."""
-    latest = {}
-    for rec in records:
-        key = (rec["budget"], rec["sp"], rec.get("probe_steps", 1), json.dumps(rec.get("model", {}), sort_keys=True))
-        latest[(*key, rec["name"])] = rec
-    return latest
-
-
-def plot_maxseq(records: list[dict], path: Path) -> Path:
-    """Peak RSS of every probe that fitted against S, per arm's latest search (as in the table), with the
-    budget line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .report import STYLES, save_seq_plot
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    records = [rec for _, rec in sorted(latest_searches(records).items())]
-    for rec in records:
-        points = sorted((s, p / GIB) for s, p in rec["probes"] if p is not None)
-        ax.plot([p[0] for p in points], [p[1] for p in points], STYLES.get(rec["name"], "x-"),
-                label=f"{rec['name']} sp={rec['sp']}: {rec['max_seq']}")
-    for budget in sorted({rec["budget"] for rec in records}):
-        ax.axhline(budget / GIB, color="grey", lw=0.8, ls="--")
-    return save_seq_plot(fig, ax, "peak RSS per rank (GiB), probes that fit", path)

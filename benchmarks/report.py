@@ -4,20 +4,16 @@ Every ratio is ours / DeepSpeed within one repetition of one run (same configura
 back to back in rotating order), reported as the median over repetitions with its spread
 (``[min-max]``). The noise of a configuration is what the same code does to the ratio: the
 ``deepspeed[again]`` arm against ``deepspeed``, ``n = max |ratio - 1|`` over its repetitions. A
-verdict is claimed only beyond the noise:
+verdict is claimed only beyond the noise (:mod:`benchmarks.tables`). The launches are paired and screened
+by :mod:`benchmarks.records`; the other modes' tables are :mod:`benchmarks.mode_tables`'.
 
-- against 1 (ours vs DeepSpeed): ``faster``/``slower`` (``smaller``/``larger``) when ``|r - 1| > n``,
-  else ``same within noise``;
-- against a target ``t``: ``met`` when ``r + n <= t``, ``missed`` when ``r - n > t``, otherwise
-  ``undecided`` (the target lies inside the noise band).
-
-A pair with a launch during which the host stole more than :data:`benchmarks.bench.STEAL_LIMIT` of the
-machine's CPU time (a steal spell, :func:`benchmarks.bench.calm`; recorded since 2026-11-29) is left out
+A pair with a launch during which the host stole more than :data:`benchmarks.records.STEAL_LIMIT` of the
+machine's CPU time (a steal spell, :func:`benchmarks.records.calm`; recorded since 2026-11-29) is left out
 of ratios, noise and work, and named (:func:`spell_notes`). A launch from before carries no figure and
 counts as calm, so the report also judges each configuration on its screened launches alone
-(:func:`screened`), beside the pooled tables.
+(:func:`benchmarks.records.screened`), beside the pooled tables.
 
-Beside the step time, the work per step (the CPU seconds of all ranks, :func:`benchmarks.bench.launch_cpu`;
+Beside the step time, the work per step (the CPU seconds of all ranks, :func:`benchmarks.records.launch_cpu`;
 recorded since 2026-11-29) is paired and judged against the noise arm the same way (:func:`format_work`).
 
 Targets (issue 15): mechanism (``ours-dropin``) time and memory <= 1.0 at every length; product
@@ -35,13 +31,16 @@ from pathlib import Path
 
 from ds_ulysses.constants import GIB
 
-from .bench import NOISE_ARM, STEAL_LIMIT, calm, launch_cpu, launch_peak, launch_time, setup_key, summarize
-from .rank import MODEL_DEFAULTS
+from .arms import MODEL_DEFAULTS, NOISE_ARM
+from .mode_tables import format_layer, format_maxseq, format_tiled, plot_maxseq
+from .records import (STEAL_LIMIT, calm_pair, every_pair, launch_cpu, launch_peak, launch_time, noise_of, paired,
+                      paired_launches, screened, setup_key, summarize)
+from .tables import STYLES, md_table, noise_text, save_seq_plot, seq_text, spread, target_verdict, verdict
 
-__all__ = ["format_group", "format_run", "write_report", "ratio_rows", "noise_of", "verdict", "target_verdict",
-           "spell_notes", "screened", "spread", "ulysses_min_bytes", "targets", "PROFILE_COLUMNS"]
+__all__ = ["format_group", "format_run", "write_report", "ratio_rows", "spell_notes", "ulysses_min_bytes", "targets",
+           "format_ratios", "format_work", "format_profile", "format_noise", "format_summary", "format_comm",
+           "planner_rows", "format_provenance", "PROFILE_COLUMNS"]
 
-STYLES = {"deepspeed": "o--", "ours-dropin": "s-", "ours": "^-", "deepspeed-alst": "d:"}  # plot line per arm
 PRODUCT_MIN_SEQ = 16384  # the product targets are stated at S = 16K and 32K
 
 
@@ -72,100 +71,19 @@ LOOP_TITLES = {"trainer": "Through Transformers' Trainer (`--loop trainer`)",
                "trl": "Through TRL's SFTTrainer (`--loop trl`)"}
 
 
-def _config(rec: dict) -> tuple:
-    return rec["seq_len"], rec["sp"], rec.get("packed_docs", 0), setup_key(rec)
-
-
-def _every_pair(records: list[dict], kind: str) -> dict:
-    runs = [r for r in records if "error" not in r and r.get("kind", "step") == kind and "rep" in r]
-    base = {(r.get("run"), r["rep"], *_config(r)): r for r in runs if r["name"] == "deepspeed"}
-    out: dict = {}
-    for rec in runs:
-        ds = base.get((rec.get("run"), rec["rep"], *_config(rec)))
-        if rec["name"] != "deepspeed" and ds is not None:
-            out.setdefault((rec["name"], *_config(rec)), []).append((rec, ds))
-    return out
-
-
-def _calm_pair(rec: dict, ds: dict) -> bool:
-    return calm(rec) and calm(ds)
-
-
-def paired_launches(records: list[dict], kind: str = "step") -> dict:
-    """(name, S, sp, packed, model) -> [(launch, deepspeed launch)], one per repetition: each launch with
-    the ``deepspeed`` launch of the same run and repetition, among the launches of `kind` (``step``: the
-    engine loop; ``trainer``: the Trainer's; ``accelerate``: the plain Accelerate loop's; ``trl``: SFTTrainer's).
-    A pair with a launch in a steal spell (:func:`benchmarks.bench.calm`) is left out (:func:`spell_notes`)."""
-    out: dict = {}
-    for key, pairs in _every_pair(records, kind).items():
-        kept = [pair for pair in pairs if _calm_pair(*pair)]
-        if kept:
-            out[key] = kept
-    return out
-
-
 def spell_notes(records: list[dict], kind: str = "step") -> list[str]:
-    """A sentence naming the pairs :func:`paired_launches` left out because a launch ran in a steal spell, per
-    arm and configuration, or none when no pair was."""
+    """A sentence naming the pairs :func:`benchmarks.records.paired_launches` left out because a launch ran in a
+    steal spell, per arm and configuration, or none when no pair was."""
     left = []
-    for (name, s, sp, packed, model), pairs in sorted(_every_pair(records, kind).items(), key=_row_order):
-        out = sum(not _calm_pair(*pair) for pair in pairs)
+    for (name, s, sp, packed, model), pairs in sorted(every_pair(records, kind).items(), key=_row_order):
+        out = sum(not calm_pair(*pair) for pair in pairs)
         if out:
-            left.append(f"{name} at {_k(s)}, sp {sp}{f', {packed} docs' if packed else ''}"
+            left.append(f"{name} at {seq_text(s)}, sp {sp}{f', {packed} docs' if packed else ''}"
                         f"{f', {model}' if model else ''}: {out} of {len(pairs)}")
     if not left:
         return []
     return [f"Pairs left out of the ratios, noise and work figures, as the host stole more than {STEAL_LIMIT:.0%} of "
             f"the CPUs while one of their launches ran (a steal spell): " + "; ".join(left) + "."]
-
-
-def screened(records: list[dict]) -> list[dict]:
-    """The launches that recorded the host's stolen share (since 2026-11-29): the only ones a steal spell can
-    be told in. An older launch counts as calm (:func:`benchmarks.bench.calm`) but may have run in a spell, so
-    a configuration judged on these alone has its ratios and its noise equally free of one."""
-    return [r for r in records if r.get("stolen") is not None]
-
-
-def paired(records: list[dict], kind: str = "step") -> dict:
-    """(name, S, sp, packed, model) -> [(time ratio, memory ratio)], one per repetition."""
-    return {key: [(launch_time(rec) / launch_time(ds), launch_peak(rec) / launch_peak(ds)) for rec, ds in launches]
-            for key, launches in paired_launches(records, kind).items()}
-
-
-def noise_of(pairs: dict, config: tuple) -> tuple[float, float, int] | None:
-    """(time noise, memory noise, repetitions) of a configuration: max |ratio - 1| of the noise arm."""
-    same = pairs.get((NOISE_ARM, *config))
-    if not same:
-        return None
-    return max(abs(t - 1) for t, _ in same), max(abs(m - 1) for _, m in same), len(same)
-
-
-def verdict(ratio: float, noise: float | None, less: str = "faster", more: str = "slower") -> str:
-    if noise is None:
-        return "no noise measured"
-    if abs(ratio - 1) <= noise:
-        return "same within noise"
-    return less if ratio < 1 else more
-
-
-def target_verdict(ratio: float, noise: float | None, target: float | None) -> str:
-    if target is None:
-        return "-"
-    if noise is None:
-        return f"{'met' if ratio <= target else 'missed'} (noise not measured)"
-    if ratio + noise <= target:
-        return "met"
-    if ratio - noise > target:
-        return f"missed by {ratio / target - 1:+.1%}"
-    return "undecided (target within noise)"
-
-
-def spread(values: list[float], digits: int = 2) -> str:
-    """The median of `values`, with their range in brackets when there are several."""
-    med = statistics.median(values)
-    if len(values) == 1:
-        return f"{med:.{digits}f}"
-    return f"{med:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
 
 def _row_order(item) -> tuple:
@@ -208,20 +126,6 @@ def ratio_rows(records: list[dict], kind: str = "step") -> list[dict]:
     return rows
 
 
-def _k(s: int) -> str:
-    return f"{s // 1024}K" if s % 1024 == 0 else str(s)
-
-
-def _table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _noise_text(n) -> str:
-    return "-" if n is None else f"±{n:.1%}"
-
-
 def _target_text(target, text) -> str:
     return "-" if target is None else f"<= {target:g}: {text}"
 
@@ -229,21 +133,21 @@ def _target_text(target, text) -> str:
 def format_ratios(records: list[dict], kind: str = "step") -> str:
     rows = []
     for r in ratio_rows(records, kind):
-        rows.append([r["name"], _k(r["S"]), r["sp"], r["packed"] or "-", r["model"] or "default",
+        rows.append([r["name"], seq_text(r["S"]), r["sp"], r["packed"] or "-", r["model"] or "default",
                      f"{r['ds_time']:.2f}", f"{r['time']:.2f}", f"**{spread(r['times'])}**",
-                     _noise_text(r["noise_time"]),
+                     noise_text(r["noise_time"]),
                      r["time_verdict"], _target_text(r["time_target"], r["time_target_verdict"]),
                      f"{r['ds_peak'] / GIB:.2f}", f"{r['peak'] / GIB:.2f}", f"**{spread(r['mems'], 3)}**",
-                     _noise_text(r["noise_mem"]), r["mem_verdict"],
+                     noise_text(r["noise_mem"]), r["mem_verdict"],
                      _target_text(r["mem_target"], r["mem_target_verdict"]),
                      f"{r['ds_loss']:.4f} / {r['loss']:.4f}", r["reps"]])
-    return _table(["arm", "S", "sp", "docs", "model", "DS s/step", "arm s/step", "time ratio [min-max]", "noise",
+    return md_table(["arm", "S", "sp", "docs", "model", "DS s/step", "arm s/step", "time ratio [min-max]", "noise",
                    "vs DS", "time target", "DS peak GiB", "arm peak GiB", "memory ratio [min-max]", "noise", "vs DS",
                    "memory target", "first loss DS / arm", "reps"], rows)
 
 
 def format_work(records: list[dict], kind: str = "step") -> str:
-    """The CPU seconds per step of all ranks (:func:`benchmarks.bench.launch_cpu`), arm / DeepSpeed within each
+    """The CPU seconds per step of all ranks (:func:`benchmarks.records.launch_cpu`), arm / DeepSpeed within each
     repetition, judged against the noise arm's own ratios as the step time is: the work each library does
     per step, which neither a peer's wait nor the host's stolen time enters. Launches measured before the
     ranks took their CPU time (2026-11-29) are left out."""
@@ -259,11 +163,11 @@ def format_work(records: list[dict], kind: str = "step") -> str:
         same = pairs.get((NOISE_ARM, s, sp, packed, model))
         noise = max(abs(arm / ds - 1) for arm, ds in same) if same else None
         ratio = statistics.median(ratios)
-        rows.append([name, _k(s), sp, packed or "-", model or "default",
+        rows.append([name, seq_text(s), sp, packed or "-", model or "default",
                      f"{statistics.median(ds for _, ds in measured):.2f}",
                      f"{statistics.median(arm for arm, _ in measured):.2f}", f"**{spread(ratios)}**",
-                     _noise_text(noise), verdict(ratio, noise, "less work", "more work"), len(ratios)])
-    return _table(["arm", "S", "sp", "docs", "model", "DS CPU s/step", "arm CPU s/step", "work ratio [min-max]",
+                     noise_text(noise), verdict(ratio, noise, "less work", "more work"), len(ratios)])
+    return md_table(["arm", "S", "sp", "docs", "model", "DS CPU s/step", "arm CPU s/step", "work ratio [min-max]",
                    "noise", "vs DS", "reps"], rows)
 
 
@@ -302,7 +206,7 @@ def format_profile(records: list[dict], kind: str = "step") -> str:
     those launches, one row per arm and run, and per (S, sp, run) the
     difference ours-dropin - deepspeed: what switching the import costs or saves (in the engine loop, the
     mechanism's difference). Arms are only set side by side within a run: between runs the machine moves
-    identical work by a third. ``kind`` picks the loop, as :func:`paired_launches` does."""
+    identical work by a third. ``kind`` picks the loop, as :func:`benchmarks.records.paired_launches` does."""
     groups: dict = {}
     for rec in records:
         if "error" in rec or rec.get("kind", "step") != kind:
@@ -320,7 +224,7 @@ def format_profile(records: list[dict], kind: str = "step") -> str:
 
     rows = []
     for (model, packed, sp, s, run), launches in sorted(groups.items()):
-        config = [_k(s), sp, packed or "-", model or "default", run]
+        config = [seq_text(s), sp, packed or "-", model or "default", run]
         arms = {name: pooled(launches[name]) for name in sorted(launches)}
         for name, (p, t) in arms.items():
             rows.append([name, *config, f"{p.get('steps', 1):g}", *_profile_cells(p), f"{p['total']:.2f}",
@@ -330,7 +234,7 @@ def format_profile(records: list[dict], kind: str = "step") -> str:
             diff = {k: p[k] - ds[k] for k in p}
             rows.append(["*ours-dropin - deepspeed*", *config, "", *(f"*{c}*" for c in _profile_cells(diff)),
                          f"*{diff['total']:+.2f}*", f"*{t - ds_t:+.2f}*"])
-    return _table(["arm", "S", "sp", "docs", "model", "run", "steps profiled", *(h for h, _ in PROFILE_COLUMNS),
+    return md_table(["arm", "S", "sp", "docs", "model", "run", "steps profiled", *(h for h, _ in PROFILE_COLUMNS),
                    "profiled s/step", "measured s/step"], rows)
 
 
@@ -341,10 +245,10 @@ def format_noise(records: list[dict], kind: str = "step") -> str:
                                                                                      kv[0][1])):
         if name != NOISE_ARM:
             continue
-        rows.append([_k(s), sp, packed or "-", model or "default", len(values),
+        rows.append([seq_text(s), sp, packed or "-", model or "default", len(values),
                      ", ".join(f"{t:.3f}" for t, _ in values), f"±{max(abs(t - 1) for t, _ in values):.1%}",
                      ", ".join(f"{m:.3f}" for _, m in values), f"±{max(abs(m - 1) for _, m in values):.1%}"])
-    return _table(["S", "sp", "docs", "model", "reps", "time ratios deepspeed[again] / deepspeed", "time noise",
+    return md_table(["S", "sp", "docs", "model", "reps", "time ratios deepspeed[again] / deepspeed", "time noise",
                    "memory ratios", "memory noise"], rows)
 
 
@@ -383,10 +287,10 @@ def format_summary(summary: dict) -> str:
     for (name, s, sp, packed, model), v in sorted(summary.items(), key=lambda kv: (kv[0][4], kv[0][3], kv[0][2],
                                                                                   kv[0][1], kv[0][0])):
         split = " / ".join(f"{x:.2f}" for x in v["phases"])
-        rows.append([name, _k(s), sp, packed or "-", model or "default", f"{v['time']:.2f}", split,
+        rows.append([name, seq_text(s), sp, packed or "-", model or "default", f"{v['time']:.2f}", split,
                      f"{v['peak'] / GIB:.2f}", f"{v['steps_peak'] / GIB:.2f}", f"{v['loss']:.4f}",
                      f"{v['launches']} x {v['steps'] // max(1, v['launches'])}"])
-    return _table(["arm", "S", "sp", "docs", "model", "s/step", "adapter / fwd / bwd / optimizer s", "peak GiB",
+    return md_table(["arm", "S", "sp", "docs", "model", "s/step", "adapter / fwd / bwd / optimizer s", "peak GiB",
                    "step-only peak GiB", "first loss", "launches x steps"], rows)
 
 
@@ -398,10 +302,10 @@ def format_comm(summary: dict) -> str:
         calls = ", ".join(f"{n:g} {op}" for op, n in sorted(v["attn_calls"].items()))
         minimum = ulysses_min_bytes(v["model"], s, sp)
         refill = ", ".join(f"{n:g} {op}" for op, n in sorted(v["refill_calls"].items()))
-        rows.append([name, _k(s), sp, calls, f"{v['bwd_a2a']:g}", f"{v['attn_sent'] / 2**20:.2f}",
+        rows.append([name, seq_text(s), sp, calls, f"{v['bwd_a2a']:g}", f"{v['attn_sent'] / 2**20:.2f}",
                      f"{minimum / 2**20:.2f}", f"{v['attn_sent'] / minimum:.2f}", f"{v['attn_off_rank'] / 2**20:.2f}",
                      f"{v['refill_received'] / 2**10:.1f}", refill])
-    return _table(["impl", "S", "sp", "collectives per attention layer (forward)", "all-to-alls per layer (backward)",
+    return md_table(["impl", "S", "sp", "collectives per attention layer (forward)", "all-to-alls per layer (backward)",
                    "send MiB/layer/rank", "Ulysses min MiB", "vs min", "off-rank MiB/layer/rank",
                    "adapter KiB received/refill/rank", "adapter collectives/refill"], rows)
 
@@ -426,30 +330,9 @@ def planner_rows(summary: dict) -> list[list]:
         untiled = {"tiled_loss": {"enabled": False}}
         section = v["section"] if name.startswith("ours") and name != "ours-dropin" else untiled
         predicted = intercept["peak"] + cpu_rss(dims, s, sp, section, 0.0) - cpu_rss(dims, 64, sp, section, 0.0)
-        rows.append([name, _k(s), sp, f"{v['peak'] / GIB:.2f}", f"{predicted / GIB:.2f}",
+        rows.append([name, seq_text(s), sp, f"{v['peak'] / GIB:.2f}", f"{predicted / GIB:.2f}",
                      f"{predicted / v['peak'] - 1:+.0%}"])
     return rows
-
-
-def format_layer(records: list[dict]) -> str:
-    """:mod:`benchmarks.layer` results: one row per (S, sp) over its launches: each launch's median
-    seconds per arm (median [min-max] over the launches), ours / DeepSpeed per launch, the noise (the
-    largest ``|again / DeepSpeed - 1|`` over launches that ran the noise arm, "-" if none did) and the
-    verdict against <= 1 by :func:`target_verdict`."""
-    groups: dict[tuple, list[dict]] = {}
-    for rec in (r for r in records if r.get("kind") == "layer" and r.get("result")):
-        groups.setdefault((rec["seq_len"], rec["sp"]), []).append(rec["result"])
-    rows = []
-    for (seq_len, sp), results in sorted(groups.items()):
-        ratios = [res["ours_s"] / res["deepspeed_s"] for res in results]
-        again = [res[f"{NOISE_ARM}_s"] / res["deepspeed_s"] for res in results if f"{NOISE_ARM}_s" in res]
-        noise = max(abs(r - 1) for r in again) if again else None
-        seconds = [spread([res[f"{arm}_s"] for res in results], 3) for arm in ("deepspeed", "ours")]
-        rows.append([_k(seq_len), sp, f"{len(results)} x {results[0]['iters']}", *seconds, f"**{spread(ratios)}**",
-                     _noise_text(noise), target_verdict(statistics.median(ratios), noise, 1.0),
-                     "yes" if all(res["same_output_and_grad"] for res in results) else "NO"])
-    return _table(["S", "sp", "launches x iterations", "DeepSpeed s", "ours s", "ours / DS", "noise", "<= 1",
-                   "same output and grad"], rows)
 
 
 def _plot(summary: dict, key: str, ylabel: str, path: Path, scale: float = 1.0) -> Path:
@@ -469,29 +352,14 @@ def _plot(summary: dict, key: str, ylabel: str, path: Path, scale: float = 1.0) 
     return save_seq_plot(fig, ax, ylabel, path)
 
 
-def save_seq_plot(fig, ax, ylabel: str, path: Path) -> Path:
-    """Finish a plot against S (log2 axis, grid, legend) and write it to ``path``."""
-    import matplotlib.pyplot as plt
-
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("global sequence length S (tokens)")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:  # no lines when every run is shorter than 1K tokens
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def _failures(records: list[dict]) -> list[str]:
     failed = {(r["name"], r["seq_len"], r["sp"], r.get("packed_docs", 0)): r["error"].strip().splitlines()[-1]
               for r in records if "error" in r}
     if not failed:
         return []
-    rows = [[name, _k(s), sp, packed or "-", f"`{err[:200]}`"] for (name, s, sp, packed), err in sorted(failed.items())]
-    return ["## Launches that failed", _table(["impl", "S", "sp", "docs/sample", "last error line"], rows)]
+    rows = [[name, seq_text(s), sp, packed or "-", f"`{err[:200]}`"]
+            for (name, s, sp, packed), err in sorted(failed.items())]
+    return ["## Launches that failed", md_table(["impl", "S", "sp", "docs/sample", "last error line"], rows)]
 
 
 def format_provenance(records: list[dict]) -> str:
@@ -504,7 +372,7 @@ def format_provenance(records: list[dict]) -> str:
     for (where, code), recs in sorted(groups.items(), key=lambda item: min(r.get("date", "") for r in item[1])):
         kinds = ", ".join(sorted({r.get("kind", "step") for r in recs}))
         rows.append([where, f"`{code}`" if code != "not recorded" else code, kinds, len(recs), _dates(recs)])
-    return _table(["machine", "commit", "kinds", "records", "dates"], rows)
+    return md_table(["machine", "commit", "kinds", "records", "dates"], rows)
 
 
 def _dates(records: list[dict]) -> str:
@@ -513,8 +381,9 @@ def _dates(records: list[dict]) -> str:
 
 
 def _screened_sections(records: list[dict], kind: str = "step") -> list[str]:
-    """The noise and ratio tables again over :func:`screened` launches alone, where `kind` has pairs of them and
-    launches without the figure too (when every launch is screened, they would repeat the tables above)."""
+    """The noise and ratio tables again over :func:`benchmarks.records.screened` launches alone, where `kind` has
+    pairs of them and launches without the figure too (when every launch is screened, they would repeat the tables
+    above)."""
     calm_only = screened(records)
     calm_pairs = paired(calm_only, kind)
     if not calm_pairs or calm_pairs == paired(records, kind):
@@ -527,9 +396,6 @@ def _screened_sections(records: list[dict], kind: str = "step") -> list[str]:
 
 def write_report(records: list[dict], out_dir: Path) -> list[Path]:
     """``results.md`` (every table) plus the plots in ``out_dir``."""
-    from .maxseq import format_maxseq, plot_maxseq
-    from .tiled import format_tiled
-
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(records)
     ok = [r for r in records if "error" not in r]
@@ -570,7 +436,7 @@ def write_report(records: list[dict], out_dir: Path) -> list[Path]:
         "## Planner prediction vs measured CPU peak RSS",
         "Prediction = DeepSpeed's measured RSS at S=64 (same model and config: runtime + model states) + the planner's "
         "S-dependent terms (`ds_ulysses.planner.cpu_rss`).",
-        _table(["impl", "S", "sp", "measured peak GiB", "predicted GiB", "error"], planner_rows(summary)),
+        md_table(["impl", "S", "sp", "measured peak GiB", "predicted GiB", "error"], planner_rows(summary)),
         "## Every measurement", format_summary(summary),
     ] + _failures(records)
     md = out_dir / "results.md"

@@ -32,7 +32,7 @@ def word_tokenizer(vocab: int):
 
 def run(spec: dict) -> dict:
     """Train ``warmup + steps`` steps of TRL's SFTTrainer with one arm; return this rank's measurements in
-    :func:`benchmarks.rank.run`'s shape."""
+    :func:`benchmarks.engine_loop.run`'s shape."""
     import datasets
     from trl import SFTConfig, SFTTrainer
 

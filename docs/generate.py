@@ -122,8 +122,9 @@ def ratio_table(kind: str) -> str:
     """One row per arm and configuration of a loop (`kind`), against DeepSpeed's arm of the same
     repetitions: seconds and GiB (medians), the ratios' median [min-max], the noise arm's spread, and
     the verdict :mod:`benchmarks.report` draws from them. The noise arm itself is its own column."""
-    from benchmarks.bench import NOISE_ARM
-    from benchmarks.report import ratio_rows, spread
+    from benchmarks.arms import NOISE_ARM
+    from benchmarks.report import ratio_rows
+    from benchmarks.tables import spread
     from ds_ulysses.constants import GIB
 
     rows = ["| arm | S | sp | DeepSpeed s/step | arm s/step | time ratio [min-max] | noise | vs DeepSpeed "
@@ -141,25 +142,25 @@ def ratio_table(kind: str) -> str:
 
 
 def maxseq_table() -> str:
-    from benchmarks.maxseq import format_maxseq
+    from benchmarks.mode_tables import format_maxseq
 
     return format_maxseq([r for r in _cpu_ok() if r.get("kind") == "maxseq"])
 
 
 def tiled_table() -> str:
-    from benchmarks.tiled import format_tiled
+    from benchmarks.mode_tables import format_tiled
 
     return format_tiled([r for r in _cpu_ok() if r.get("kind") == "tiled"])
 
 
 def layer_table() -> str:
-    from benchmarks.report import format_layer
+    from benchmarks.mode_tables import format_layer
 
     return format_layer(_cpu_ok())
 
 
 def comm_table() -> str:
-    from benchmarks.bench import summarize
+    from benchmarks.records import summarize
     from benchmarks.report import format_comm
 
     return format_comm(summarize(_cpu_ok()))
@@ -167,7 +168,7 @@ def comm_table() -> str:
 
 def planner_table() -> str:
     """The planner's CPU prediction against each arm's measured peak RSS (:func:`benchmarks.report.planner_rows`)."""
-    from benchmarks.bench import summarize
+    from benchmarks.records import summarize
     from benchmarks.report import planner_rows
 
     rows = ["| arm | S | sp | measured peak GiB | predicted GiB | error |", "|---|---|---|---|---|---|"]
@@ -208,8 +209,7 @@ def glance_rows() -> list[tuple[str, str, str, str, str]]:
     """(what, against, time, memory, anchor) of the headline figures, each from the records behind its table:
     a ratio is ours / DeepSpeed's (below 1: ours is faster or leaner), its verdict against that
     configuration's noise in brackets."""
-    from benchmarks.maxseq import latest_searches
-    from benchmarks.tiled import _ratio
+    from benchmarks.mode_tables import latest_searches, tiled_ratio
     from ds_ulysses.constants import GIB
 
     out = []
@@ -243,8 +243,8 @@ def glance_rows() -> list[tuple[str, str, str, str, str]]:
     for rec in _cpu_ok():
         if rec.get("kind") == "tiled" and rec.get("result"):
             groups.setdefault((rec["op"], rec["seq_len"]), []).append(rec["result"])
-    times = [statistics.median(_ratio(res, "ours", "s") for res in g) for g in groups.values()]
-    peaks = [statistics.median(_ratio(res, "ours", "peak") for res in g) for g in groups.values()]
+    times = [statistics.median(tiled_ratio(res, "ours", "s") for res in g) for g in groups.values()]
+    peaks = [statistics.median(tiled_ratio(res, "ours", "peak") for res in g) for g in groups.values()]
     out.append(("`TiledMLP`, `sequence_tiled_compute`, `TiledFusedLogitsLoss` at equal shards", "DeepSpeed's",
                 _span(times, 2), _span(peaks, 3), "tiledmlp-sequence_tiled_compute-and-the-fused-loss"))
     return out

@@ -175,7 +175,7 @@ def mlp_units(dims: ModelDims, setup: Setup) -> float:
 @dataclass(frozen=True)
 class SegmentTerms:
     """The activations one segment of a training step holds at its peak, counted in a measured breakdown
-    (``benchmarks.breakdown.planner_terms``): ``(units + checkpoints + layers) sl_l h b + mlp_tiles rows_m I b +
+    (``benchmarks.breakdown_fit.planner_terms``): ``(units + checkpoints + layers) sl_l h b + mlp_tiles rows_m I b +
     loss_tiles rows_l V 4 + head_weights V h 4 + norm_units sl_l h 4``. ZeRO-3's gathered parameters are the
     parameter term's. RMSNorm's tensors count at fp32 size whatever the activation dtype: measured in fp32 as two
     per norm (its normalised input and output), in bf16 the norm keeps an fp32 upcast of its input beside

@@ -51,8 +51,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.arms import MODEL_DEFAULTS as CPU_MODEL
 from benchmarks.gpu.kernels import profiled_step
-from benchmarks.rank import MODEL_DEFAULTS as CPU_MODEL
 
 MODELS = {  # Llama-3 family shapes (config numbers only)
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -272,7 +272,7 @@ def longest(impl, model_name, start, resolution, attn, timeout, log, steps=3, de
 def arms(impls, noise: bool) -> list[tuple[str, str]]:
     """(arm, implementation) per arm: the implementations, and with `noise` DeepSpeed's again after it
     (``deepspeed[again]``, the same code in a fresh process: its ratio to ``deepspeed`` is the noise)."""
-    from benchmarks.bench import NOISE_ARM
+    from benchmarks.arms import NOISE_ARM
 
     out = []
     for impl in impls:
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    from benchmarks.bench import stamp
+    from benchmarks.records import stamp
     from benchmarks.gpu.summary import profile_lines, ratio_lines
 
     out = Path(args.out)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import statistics
 
-from benchmarks.bench import NOISE_ARM
+from benchmarks.arms import NOISE_ARM
 from benchmarks.gpu.kernels import differences
-from benchmarks.report import spread, verdict
+from benchmarks.tables import spread, verdict
 
 __all__ = ["ratio_lines", "profile_lines"]
 
@@ -59,7 +59,7 @@ def _against_deepspeed(arm: str, pairs: list, noise: tuple | None) -> str:
 def ratio_lines(by_len: dict) -> list[str]:
     """Per length: each arm's trial (one repetition) or median [range] (several), then each arm against
     ``deepspeed``, paired by repetition, with a verdict where the noise arm ran: max |again / deepspeed - 1|
-    over the repetitions, as the CPU benchmark's (:func:`benchmarks.report.verdict`)."""
+    over the repetitions, as the CPU benchmark's (:func:`benchmarks.tables.verdict`)."""
     lines = []
     for s, trials in by_len.items():
         once = all(len(t) == 1 for t in trials.values())

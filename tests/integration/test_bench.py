@@ -15,9 +15,13 @@ import torch
 
 from ds_ulysses import cli
 from ds_ulysses.planner import parse_size
-from benchmarks import bench, maxseq, report, tiled
-from benchmarks.bench import NOISE_ARM, launch_cpu, launch_time, parse_bytes
-from benchmarks.report import ratio_rows, target_verdict, ulysses_min_bytes, verdict
+from benchmarks import bench, maxseq, measure, mode_tables, report, suites, tiled
+from benchmarks import launch as launcher, records as bench_records
+from benchmarks.arms import NOISE_ARM
+from benchmarks.bench import parse_bytes
+from benchmarks.records import launch_cpu, launch_time
+from benchmarks.report import ratio_rows, ulysses_min_bytes
+from benchmarks.tables import target_verdict, verdict
 
 TINY = ["--model", "vocab=128", "--model", "hidden=32", "--model", "intermediate=64", "--model", "layers=2",
         "--model", "heads=4", "--model", "kv_heads=2"]
@@ -35,12 +39,12 @@ def test_tiny_side_by_side_run_writes_the_tables(tmp_path, capsys):
         assert f"| {arm} | 64 | 2 |" in printed
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["name"] for r in records] == ["deepspeed", NOISE_ARM, "ours"]
-    assert all(r["machine"] == bench.machine() and r["commit"] == bench.commit() for r in records)
+    assert all(r["machine"] == bench_records.machine() and r["commit"] == bench_records.commit() for r in records)
     assert all(0 <= r["stolen"] <= 1 for r in records)  # the host's share of the CPUs while each launch ran
     # minor page faults per measured step and rank, summed over the ranks per step in the launch line
     assert all(len(k["minor_faults"]) == len(k["times"]) for r in records for k in r["ranks"])
-    assert bench.launch_faults(records[0]) == sum(k["minor_faults"][0] for k in records[0]["ranks"])
-    assert f"faults {bench.launch_faults(records[-1]) / 1e6:.2f}M/step" in printed
+    assert bench_records.launch_faults(records[0]) == sum(k["minor_faults"][0] for k in records[0]["ranks"])
+    assert f"faults {bench_records.launch_faults(records[-1]) / 1e6:.2f}M/step" in printed
     losses = {r["name"]: r["ranks"][0]["losses"][0] for r in records}
     assert losses["ours"] == pytest.approx(losses["deepspeed"], rel=1e-5)  # same model, same samples
     assert losses[NOISE_ARM] == losses["deepspeed"]
@@ -80,7 +84,7 @@ def test_the_trainer_accelerate_and_trl_loops_run_each_arm_through_them(tmp_path
     and each loop's records are reported apart from the engine loop's."""
     # a launch of a few seconds reads a steal spell from one second of the host's: no pair is screened out here, so
     # each arm's ratio and work rows are there to count (the screen is tested on records of its own)
-    monkeypatch.setattr(bench, "STEAL_LIMIT", 1.0)
+    monkeypatch.setattr(bench_records, "STEAL_LIMIT", 1.0)
     out, report_dir = tmp_path / "runs.jsonl", tmp_path / "report"
     assert cli.main(["bench", "--loop", loop, "--seq-len", "64", "--sp", "2", "--reps", "1", "--steps", "2",
                      "--warmup", "0", "--no-warm-up", "--no-noise", "--impl", "deepspeed", "ours-dropin", "ours",
@@ -137,14 +141,15 @@ def test_layer_table_judges_the_median_ratio_against_the_noise_arm():
             "iters": 8, "same_output_and_grad": True, "deepspeed_s": ds, f"{NOISE_ARM}_s": again, "ours_s": ours}}
 
     # ratios 0.90, 0.85, 0.95 (median 0.90); the noise arm 2% and 4% off DeepSpeed: ±4%, so 0.90 is met
-    rows = report.format_layer([record(1.0, 1.02, 0.90), record(2.0, 1.92, 1.70), record(1.0, 1.0, 0.95)]).splitlines()
+    records = [record(1.0, 1.02, 0.90), record(2.0, 1.92, 1.70), record(1.0, 1.0, 0.95)]
+    rows = mode_tables.format_layer(records).splitlines()
     cells = [c.strip() for c in rows[-1].strip("|").split("|")]
     assert cells[2:] == ["3 x 8", "1.000 [1.000-2.000]", "0.950 [0.900-1.700]", "**0.90 [0.85-0.95]**", "±4.0%",
                          "met", "yes"]
     # a launch without the noise arm (before it existed) leaves the verdict unjudged against noise
     old = record(1.0, 1.0, 1.1)
     del old["result"][f"{NOISE_ARM}_s"]
-    cells = [c.strip() for c in report.format_layer([old]).splitlines()[-1].strip("|").split("|")]
+    cells = [c.strip() for c in mode_tables.format_layer([old]).splitlines()[-1].strip("|").split("|")]
     assert cells[6:8] == ["-", "missed (noise not measured)"]
 
 
@@ -196,7 +201,7 @@ def test_a_launch_counts_its_fastest_refill_cycle_of_the_slowest_ranks_steps():
 
 
 def test_a_loops_samples_feed_every_step_a_fresh_shard_with_one_refill_spare():
-    from benchmarks.rank import loop_dataset
+    from benchmarks.recipes import loop_dataset
 
     for sp, world, steps, refills in [(2, 2, 5, 4), (2, 4, 4, 3), (4, 4, 9, 4), (1, 2, 3, 4)]:
         data = loop_dataset({"sp": sp, "seq_len": 8, "packed_docs": 2}, 50, world, steps)
@@ -273,11 +278,12 @@ def test_a_pair_with_a_launch_in_a_steal_spell_is_left_out_and_named():
              "ours-dropin": [9.0, 9.1, 12.0, 8.9]}
     # rep 1: the noise arm in a spell; rep 2: DeepSpeed's launch, so both of its pairs; rep 3: no figure (an
     # older record) counts as calm, as does a launch at the limit
-    stolen = {0: {}, 1: {NOISE_ARM: 0.12}, 2: {"deepspeed": 0.30}, 3: {NOISE_ARM: bench.STEAL_LIMIT}}
+    stolen = {0: {}, 1: {NOISE_ARM: 0.12}, 2: {"deepspeed": 0.30}, 3: {NOISE_ARM: bench_records.STEAL_LIMIT}}
     records = [launch(name, rep, times[rep], stolen[rep].get(name, None if rep == 3 else 0.01))
                for rep in range(4) for name, times in steps.items()]
     by = {(r["rep"], r["name"]): r for r in records}
-    assert not bench.calm(by[1, NOISE_ARM]) and bench.calm(by[3, NOISE_ARM]) and bench.calm(by[3, "deepspeed"])
+    calm = bench_records.calm
+    assert not calm(by[1, NOISE_ARM]) and calm(by[3, NOISE_ARM]) and calm(by[3, "deepspeed"])
     rows = {r["name"]: r for r in ratio_rows(records)}
     assert rows[NOISE_ARM]["times"] == pytest.approx([1.02, 1.01])
     assert rows[NOISE_ARM]["noise_time"] == pytest.approx(0.02)
@@ -299,8 +305,8 @@ def test_the_screened_tables_judge_a_configuration_on_the_launches_that_recorded
              for rep in range(3) for name, step in steps.items()]
     pooled = {r["name"]: r for r in ratio_rows(older + newer)}
     assert pooled["ours"]["noise_time"] == pytest.approx(0.3) and pooled["ours"]["time_verdict"] == "same within noise"
-    assert report.screened(older + newer) == newer
-    alone = {r["name"]: r for r in ratio_rows(report.screened(older + newer))}
+    assert bench_records.screened(older + newer) == newer
+    alone = {r["name"]: r for r in ratio_rows(bench_records.screened(older + newer))}
     assert alone["ours"]["noise_time"] == pytest.approx(0.01) and alone["ours"]["reps"] == 3
     assert alone["ours"]["time_verdict"] == "faster"
     (text, noise, ratios) = report._screened_sections(older + newer)
@@ -329,17 +335,17 @@ def test_host_env_reaches_every_rank_and_its_launches_are_a_configuration_of_the
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0")
     spec = {"impl": "deepspeed", "seq_len": 64, "host_env": {"THP_MEM_ALLOC_ENABLE": "1"}}
     with monkeypatch.context() as m:
-        m.setattr(bench, "subprocess", SimpleNamespace(Popen=Rank, STDOUT=subprocess.STDOUT))
-        assert bench.launch(spec, 2, tmp_path) == [{"rank": "0"}, {"rank": "1"}]
+        m.setattr(launcher, "subprocess", SimpleNamespace(Popen=Rank, STDOUT=subprocess.STDOUT))
+        assert launcher.launch(spec, 2, tmp_path) == [{"rank": "0"}, {"rank": "1"}]
     assert [(env["RANK"], env["THP_MEM_ALLOC_ENABLE"], env["GLIBC_TUNABLES"]) for env in seen] == [
         ("0", "1", "glibc.malloc.mmap_max=0"), ("1", "1", "glibc.malloc.mmap_max=0")]
 
     def launched(spec, world, workdir, timeout):
         raise RuntimeError(f"launched with {spec['host_env']}")
 
-    monkeypatch.setattr(bench, "launch", launched)
+    monkeypatch.setattr(suites, "launch", launched)
     out = tmp_path / "runs.jsonl"
-    bench.run_suite([64], [2], ["deepspeed"], reps=1, steps=1, warmup=0, out=out, noise=False, profile_reps=0,
+    suites.run_suite([64], [2], ["deepspeed"], reps=1, steps=1, warmup=0, out=out, noise=False, profile_reps=0,
                     warm_up=False, log=lambda line: None, host_env={"THP_MEM_ALLOC_ENABLE": "1"})
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     both = {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0", "THP_MEM_ALLOC_ENABLE": "1"}
@@ -354,7 +360,7 @@ def test_host_env_reaches_every_rank_and_its_launches_are_a_configuration_of_the
     assert rows["ours", ""]["times"] == pytest.approx([0.9, 0.9])
     assert rows["ours", "env THP_MEM_ALLOC_ENABLE=1"]["times"] == pytest.approx([1.1, 1.1])
     assert report.spell_notes(plain + huge)[0].endswith("ours at 4K, sp 1, env THP_MEM_ALLOC_ENABLE=1: 1 of 3.")
-    assert bench.setup_key({"model": {"vocab": 64}, "host_env": thp}) == "vocab=64 env THP_MEM_ALLOC_ENABLE=1"
+    assert bench_records.setup_key({"model": {"vocab": 64}, "host_env": thp}) == "vocab=64 env THP_MEM_ALLOC_ENABLE=1"
     assert "| ours | 4K | 1 | - | env THP_MEM_ALLOC_ENABLE=1 | 8.00 | 8.80 |" in report.format_ratios(plain + huge)
 
     assert cli.main(["bench", "--host-env", "OMP_NUM_THREADS=4"]) == 2
@@ -376,10 +382,10 @@ def test_the_warm_up_launch_is_not_recorded_and_its_failure_does_not_void_the_su
             return []
         raise RuntimeError(f"benchmark launch of {spec['impl']} failed; log tail:\nterminate called")
 
-    monkeypatch.setattr(bench, "launch", launch)
+    monkeypatch.setattr(suites, "launch", launch)
     printed = []
     out = tmp_path / "runs.jsonl"
-    records = bench.run_suite([64, 128], [2], ["deepspeed"], reps=1, steps=1, warmup=0, out=out, noise=False,
+    records = suites.run_suite([64, 128], [2], ["deepspeed"], reps=1, steps=1, warmup=0, out=out, noise=False,
                               profile_reps=1, log=printed.append)
     assert records == []
     outcome = "FAILED (terminate called), going on" if warm_up_fails else "not recorded"
@@ -478,8 +484,8 @@ def test_tensor_peak_is_the_most_tensor_bytes_alive_at_once():
         del b, c
 
     before = torch.empty(4096)  # alive throughout, freed inside: the peak counts from the start
-    assert tiled._tensor_peak(call) == 12 * 1024
-    assert tiled._tensor_peak(lambda: before.resize_(0)) == 0
+    assert measure.tensor_peak(call) == 12 * 1024
+    assert measure.tensor_peak(lambda: before.resize_(0)) == 0
 
 
 def test_tiled_table_judges_the_median_ratio_against_the_noise_arm():
@@ -495,7 +501,7 @@ def test_tiled_table_judges_the_median_ratio_against_the_noise_arm():
         return {"kind": "tiled", "op": "tiled_mlp", "seq_len": 2048, "result": result}
 
     # time ratios 0.80, 0.90, 0.85 (median 0.85); noise 1.05 and 0.97 against DeepSpeed: ±5%
-    table = tiled.format_tiled([record(1.0, 1.05, 0.80), record(2.0, 1.94, 1.80), record(1.0, 1.0, 0.85)])
+    table = mode_tables.format_tiled([record(1.0, 1.05, 0.80), record(2.0, 1.94, 1.80), record(1.0, 1.0, 0.85)])
     row = table.splitlines()[-1]
     assert "| 3 x 4 |" in row and "**0.85 [0.80-0.90]**" in row and "±5.0%" in row
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -517,7 +523,7 @@ def test_tiled_ops_picks_the_operations_a_tiled_suite_launches(tmp_path, monkeyp
         bench.add_arguments(parser)
         return parser.parse_args(argv)
 
-    monkeypatch.setattr(bench, "launch", fake_launch)
+    monkeypatch.setattr(suites, "launch", fake_launch)
     out = tmp_path / "runs.jsonl"
     bench.run_command(parse(["--tiled-iters", "2", "--reps", "2", "--seq-len", "2K", "4K", "--tiled-ops", "stc_mlp",
                              "--out", str(out)]))
@@ -535,7 +541,7 @@ def test_max_seq_table_compares_arms_searched_with_the_same_steps_per_probe():
              "next_failed": max_seq + 1024, "probes": [[max_seq, 1 << 30], [max_seq + 1024, None]], "seconds": 60.0}
         return r if steps is None else {**r, "probe_steps": steps}
 
-    table = maxseq.format_maxseq([rec("deepspeed", 8192), rec("deepspeed", 4096, 3), rec("ours", 16384, 3)])
+    table = mode_tables.format_maxseq([rec("deepspeed", 8192), rec("deepspeed", 4096, 3), rec("ours", 16384, 3)])
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
     assert [(r[2], r[3], r[4], r[6]) for r in rows] == [
         ("1", "deepspeed", "8K", "**1.00**"), ("3", "deepspeed", "4K", "**1.00**"), ("3", "ours", "16K", "**4.00**")]
@@ -544,14 +550,13 @@ def test_max_seq_table_compares_arms_searched_with_the_same_steps_per_probe():
 def test_max_seq_table_and_plot_show_each_arms_latest_search(monkeypatch, tmp_path):
     """An arm searched again (a rerun at a later commit) replaces its earlier search in both the table
     and the plot, so the plot's lines are the table's rows."""
-    from benchmarks import report
-
     def rec(name, max_seq, peak):
         return {"kind": "maxseq", "name": name, "budget": 2 << 30, "sp": 2, "probe_steps": 3, "max_seq": max_seq,
                 "next_failed": max_seq + 1024, "probes": [[max_seq, peak], [max_seq + 1024, None]], "seconds": 60.0}
 
     records = [rec("ours", 21504, 1 << 30), rec("deepspeed", 5120, 1 << 30), rec("ours", 19456, 3 << 29)]
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in maxseq.format_maxseq(records).splitlines()[2:]]
+    table = mode_tables.format_maxseq(records)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
     assert [(r[3], r[4]) for r in rows] == [("deepspeed", "5K"), ("ours", "19K")]
     drawn = {}
 
@@ -560,8 +565,8 @@ def test_max_seq_table_and_plot_show_each_arms_latest_search(monkeypatch, tmp_pa
                       if not line.get_label().startswith("_")})
         return path
 
-    monkeypatch.setattr(report, "save_seq_plot", keep)
-    maxseq.plot_maxseq(records, tmp_path / "max_seq.png")
+    monkeypatch.setattr(mode_tables, "save_seq_plot", keep)
+    mode_tables.plot_maxseq(records, tmp_path / "max_seq.png")
     assert drawn == {"deepspeed sp=2: 5120": [(5120, 1.0)], "ours sp=2: 19456": [(19456, 1.5)]}
 
 
@@ -646,7 +651,7 @@ def test_profile_counts_a_checkpointed_layers_forward_once():
 def test_records_say_on_what_machine_and_at_what_commit_they_were_measured():
     """Sessions here have run on different CPU models: every record carries the CPU, the CPUs it could use
     and the checkout's commit, and the report lists them (records from before say "not recorded")."""
-    stamped = bench.stamp()
+    stamped = bench_records.stamp()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                "unknown CPU")
     assert stamped["machine"].startswith(f"{cpu}, {len(os.sched_getaffinity(0))} CPUs, ")
@@ -674,12 +679,12 @@ def test_a_record_is_marked_changed_by_code_not_by_the_results_it_is_appended_to
     (tmp_path / "benchmarks" / "rank.py").write_text("STEPS = 1\n")
     git("add", "-A")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "start")
-    head = bench.commit(tmp_path)
+    head = bench_records.commit(tmp_path)
     assert len(head) >= 7 and "+" not in head
     (tmp_path / "benchmarks" / "results" / "runs.jsonl").write_text("{}\n{}\n")  # a suite appends its records
-    assert bench.commit(tmp_path) == head
+    assert bench_records.commit(tmp_path) == head
     (tmp_path / "benchmarks" / "rank.py").write_text("STEPS = 2\n")  # the measured code changes
-    assert bench.commit(tmp_path) == head + "+changes"
+    assert bench_records.commit(tmp_path) == head + "+changes"
 
 
 def test_gpu_benchmark_times_each_step_of_real_training():
@@ -748,7 +753,8 @@ def test_gpu_benchmark_side_by_side_prints_ratios_and_stamps_every_trial(monkeyp
     assert "deepspeed failed (CUDA out of memory)" in printed
     assert "deepspeed 4.00 s/step (steps 8.00, 4.00), 8.0 GiB" in printed  # the allocators did nothing: not printed
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(records) == 4 and all(r["commit"] == bench.commit() and r["steps_per_trial"] == 2 for r in records)
+    commit = bench_records.commit()
+    assert len(records) == 4 and all(r["commit"] == commit and r["steps_per_trial"] == 2 for r in records)
     asked.clear()
     assert longest.main(["--impl", "ours-no-offload", "deepspeed", "--at", "512", "--out", str(out)]) == 0
     assert asked == [("ours-no-offload", 512, 3, "cuda"), ("deepspeed", 512, 3, "cuda")]

@@ -16,7 +16,9 @@ import math
 
 import pytest
 
-from benchmarks.breakdown import ALST_SECTION, activation_peak, dims_of, run
+from benchmarks.arms import ALST_SECTION
+from benchmarks.breakdown_fit import activation_peak, dims_of
+from benchmarks.breakdown_loop import run
 from ds_ulysses.planner import Setup, step_peak
 from tests.support.distributed import run_distributed
 

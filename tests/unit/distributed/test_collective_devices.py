@@ -18,10 +18,10 @@ COLLECTIVES = {"all_gather", "all_reduce", "all_to_all_single", "all_to_all", "b
 # (file, function): why its tensors are already where the collective needs them
 MODEL_TENSORS = {
     ("ds_ulysses/distributed/all_to_all.py", "_all_to_all"): "q/k/v and attention outputs: the model's activations",
-    ("benchmarks/rank.py", "forward"): "the tutorial loss's per-rank loss, on the model's device",
-    ("benchmarks/rank.py", "backward"): "the gradient of that loss, on the model's device",
-    ("benchmarks/rank.py", "_aggregate"): "token counts made from the labels on the model's device",
-    ("benchmarks/rank.py", "tiled_forward"): "the tile count, made on the MLP input's device",
+    ("benchmarks/recipes.py", "forward"): "the tutorial loss's per-rank loss, on the model's device",
+    ("benchmarks/recipes.py", "backward"): "the gradient of that loss, on the model's device",
+    ("benchmarks/recipes.py", "_aggregate"): "token counts made from the labels on the model's device",
+    ("benchmarks/recipes.py", "tiled_forward"): "the tile count, made on the MLP input's device",
 }
 
 
