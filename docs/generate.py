@@ -322,7 +322,7 @@ def longest_table() -> str:
 def breakdown_table() -> str:
     """The latest breakdown record of each arm and sp (``benchmarks/results/breakdown.jsonl``; the older ones
     stay there as history), in :func:`benchmarks.breakdown.format_breakdown`'s tables."""
-    from benchmarks.breakdown import format_breakdown
+    from benchmarks.breakdown_fit import format_breakdown
 
     latest = {}
     for record in _records("breakdown.jsonl"):

@@ -10,7 +10,7 @@ import pytest
 
 from ds_ulysses import cli
 from ds_ulysses.config import UlyssesConfig, parse_ds_config
-from benchmarks.breakdown import dims_of, measured_terms, planner_terms
+from benchmarks.breakdown_fit import dims_of, measured_terms, planner_terms
 from ds_ulysses.planner import (GIB, INDEX_LIMIT, KNOWN_MODELS, MEASURED_TERMS, TILED_NORMS_FIT, Setup, breakdown,
                                 largest_tensor, layer_traffic, load_dims, max_seq_len, recommend, segment_peaks,
                                 tiled_attention_units, ulysses_section)
