@@ -190,6 +190,19 @@ class UlyssesSPDataLoaderAdapter:
             next(adapter)
         return adapter
 
+    def with_ring(self, ring_size: int) -> "UlyssesSPDataLoaderAdapter":
+        """This adapter, before its first refill, laying samples out for a ring of ``ring_size``
+        (:func:`prepare_sample`): for an adapter built by a caller that knows no ring (Accelerate builds it
+        with DeepSpeed's five arguments), once the mesh's ring is known."""
+        if self.micro_batches:
+            raise ValueError(
+                f"with_ring({ring_size}) on an adapter holding {len(self.micro_batches)} micro-batches laid out for "
+                f"ring_size={self.ring_size}; expected an adapter before its first refill; fix: call with_ring "
+                "before iterating the adapter")
+        adapter = copy.copy(self)
+        adapter.ring_size, adapter.iter, adapter.micro_batches = ring_size, iter(self.dl), deque()
+        return adapter
+
     def __len__(self) -> int:
         # each batch the wrapped loader yields becomes sp micro-batches: one per sample owner in the group
         return self.sp_world_size * len(self.dl)

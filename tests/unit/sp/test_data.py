@@ -171,6 +171,21 @@ def test_single_rank_is_local():
     assert micro["shift_labels"].shape == (1, 5) and len(adapter) == 1
 
 
+def test_an_adapter_built_without_a_ring_takes_one_before_its_first_refill():
+    # what Accelerate builds with DeepSpeed's five arguments, laid out for the ring once its mesh is known
+    sample = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "labels": torch.tensor([[5, 6, 7, 8, 9]])}
+    plain = UlyssesSPDataLoaderAdapter([sample], 0, None, 1, "cpu")
+    ring = plain.with_ring(2)
+    assert (plain.ring_size, ring.ring_size) == (1, 2)
+    (micro,) = list(ring)
+    want = prepare_sample(sample, 1, ring_size=2)  # the head-tail layout: [5 6 0 0 7 8 9 0]
+    assert all(torch.equal(micro[k], want[k]) for k in want)
+    plain.refill()  # one micro-batch drawn, laid out without the ring
+    with pytest.raises(ValueError, match=r"with_ring\(2\) on an adapter holding 1 micro-batches laid out for "
+                                         r"ring_size=1; .* fix: call with_ring before iterating the adapter"):
+        plain.with_ring(2)
+
+
 @st.composite
 def raw_batches(draw, vocab=VOCAB):
     """A collated batch: random size, lengths, packing, ignored labels, optional keys."""
