@@ -7,7 +7,8 @@ no ring; the section's ring reaches both (:mod:`ds_ulysses.hf.accelerate_ring`).
 the whole parameter update (``lr x`` the sum of the gradients) within 1e-4, the project's bar (Accelerate at ZeRO-1,
 the Trainer at ZeRO-3); the Trainer's
 evaluation (whole samples, SP off) gives the unsharded eval loss. Packed documents, which the ring does not serve,
-are refused by name on every rank at the first forward.
+are refused by name on every rank at the first forward. Once ``prepare`` is done, DeepSpeed's call registers no
+ring again (the section's scope is undone).
 """
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 from tests.support import trainer_cases as tc
 from tests.support.distributed import run_distributed
-from tests.support.models import rel_err
+from tests.support.models import rel_err, tiny_config, tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +41,15 @@ def _ring_runs(rank, world_size, out_dir):
     except ValueError as err:
         packed = str(err)
     ds_ulysses.uninstall()
-    return {"trainer": trainer, "accelerate": accelerate, "packed": packed}
+    # the section's ring lasted as long as Accelerate's prepare: DeepSpeed's call alone registers no ring again
+    try:
+        ds_ulysses.UlyssesSPAttentionHF.register_with_transformers(
+            tiny_model(tiny_config("llama", heads=HEADS[0], kv_heads=HEADS[1])), "sdpa", world_size, 1)
+        after = None
+    except ValueError as err:
+        after = str(err)
+    ds_ulysses.uninstall()
+    return {"trainer": trainer, "accelerate": accelerate, "packed": packed, "after": after}
 
 
 def test_the_trainer_and_accelerate_train_a_ring_exactly_and_refuse_packed_documents_on_every_rank(tmp_path):
@@ -55,3 +64,4 @@ def test_the_trainer_and_accelerate_train_a_ring_exactly_and_refuse_packed_docum
         assert rel_err(torch.tensor(res["trainer"]["eval_loss"]), torch.tensor(reference["eval_loss"])) <= 1e-5
         assert res["packed"] is not None and "position_ids are not the head-tail block of one +1 run of positions " \
             "(packed documents" in res["packed"] and "fix: train on unpacked samples" in res["packed"]
+        assert "fix: set ring_size to 2 (the smallest that works)" in res["after"]
