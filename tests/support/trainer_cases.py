@@ -358,7 +358,7 @@ def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: i
         optimizer.zero_grad()
         losses.append(step_loss.item())
     out = {"losses": losses, "params": full_params(model), "sp": accelerator.parallelism_config.sp_size,
-           "ring": getattr(getattr(model, "mpu", None), "ring_size", 1), "loader_ring": loader.ring_size,
+           "ring": getattr(getattr(model, "mpu", None), "ring_size", 1), "loader_ring": getattr(loader, "ring_size", 1),
            "model_losses": model_losses, "trims": len(trims)}
     ds_ulysses.uninstall()
     return out
