@@ -169,7 +169,7 @@ _section_rings: list = []  # the rings section_ring blocks ask for, innermost la
 def section_ring(ring_size):
     """While the block runs, a registration that names neither a ring nor a mesh takes ``ring_size`` (an int or
     ``"auto"``, resolved against its model's heads). Accelerate registers SP through DeepSpeed's call, which has no
-    ring, from inside ``Accelerator.prepare``: :mod:`ds_ulysses.hf.trainer` runs that inside this block with the
+    ring, from inside ``Accelerator.prepare``: :mod:`ds_ulysses.hf.accelerate_ring` runs that inside this block with the
     section's ``ring_size``, so the mesh Accelerate hands to ``deepspeed.initialize`` is the section's. Nothing
     outlives the block."""
     _section_rings.append(ring_size)
@@ -177,7 +177,6 @@ def section_ring(ring_size):
         yield
     finally:
         _section_rings.pop()
-
 
 
 def _tables():
@@ -274,8 +273,8 @@ def register_with_transformers(model_name_or_path, core_attn_implementation, seq
     ``nn.Module``), whose attention is switched to the core. ``mesh`` reuses an existing
     :class:`~ds_ulysses.distributed.mesh.Mesh`. ``max_length`` is DeepSpeed's deprecated name for
     ``seq_length``, used (with a warning) where ``seq_length`` is not given, as DeepSpeed does.
-    ``ring_size`` (an int or ``"auto"``; None: the mesh's, else :func:`section_ring`'s, else 1) spreads the sequence over a ring of Ulysses
-    groups, so sequence_parallel_size may exceed the heads (:mod:`ds_ulysses.sp.ring`).
+    ``ring_size`` (an int or ``"auto"``; None: the mesh's, else :func:`section_ring`'s, else 1) spreads the
+    sequence over a ring of Ulysses groups, so sequence_parallel_size may exceed the heads (:mod:`ds_ulysses.sp.ring`).
     """
     if sequence_parallel_size == 1:
         return None

@@ -1,10 +1,10 @@
-"""examples/train.py with a ring, and its checkpoints across ring sizes (ZeRO-3 with CPU offload, the demo's config).
+"""examples/train.py with a ring, and its checkpoints across ring sizes (ZeRO-3, CPU offload: the demo's config).
 
 The tiny Llama (4 query / 2 KV heads) at sp 2 as a ring of 2 (``ring_size: 2``, Ulysses 1) on 2 gloo ranks,
 gradient accumulation 2 (global batch 2): its losses against the same job on one rank without SP (sp 1,
-gradient accumulation 2: the same samples per step, the same 2 held out). A checkpoint written at step 2 by the ring run resumes
-Ulysses alone (``ring_size: 1``) and one written by Ulysses alone resumes the ring: steps 3-4 equal the
-uninterrupted run at the new ring size. The ring changes neither the data each SP group trains on nor ZeRO's
+gradient accumulation 2: the same samples per step, the same 2 held out). A checkpoint written at step 2 by the
+ring run resumes Ulysses alone (``ring_size: 1``) and one written by Ulysses alone resumes the ring: steps 3-4
+equal the uninterrupted run at the new ring size. The ring changes neither the data each SP group trains on nor ZeRO's
 partitions (the world and dp are the same), so it is DeepSpeed's ordinary load.
 
 Tolerance: 5e-7 relative, as in test_resume_mesh.py (the meshes reduce gradients in another order, which fp32
@@ -60,7 +60,8 @@ def _close(got: dict, want: dict, steps) -> None:
         assert abs(got[step] - want[step]) <= TOLERANCE * abs(want[step]), (step, got[step], want[step])
 
 
-def test_the_training_app_trains_a_ring_as_one_rank_and_resumes_across_ring_sizes(tmp_path, tiny_model_dir):  # noqa: F811
+def test_the_training_app_trains_a_ring_as_one_rank_and_resumes_across_ring_sizes(
+        tmp_path, tiny_model_dir):  # noqa: F811
     (one,) = run_distributed(_one_rank, 1, str(tmp_path), str(tiny_model_dir), timeout=900)
     for res in run_distributed(_two_ranks, 2, str(tmp_path), str(tiny_model_dir), timeout=900):
         _close(res["ring"], one, range(1, STEPS + 1))
