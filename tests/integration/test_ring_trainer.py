@@ -1,4 +1,4 @@
-"""Transformers' Trainer and a plain Accelerate loop with a ring from the section alone: a tiny Llama with 2 query
+"""Transformers' Trainer, TRL's SFTTrainer and a plain Accelerate loop with a ring from the section alone: a tiny Llama with 2 query
 heads and 1 KV head at sp 4 = Ulysses 2 x ring 2 on 4 gloo ranks (more SP ranks than heads), against one process
 without SP (plain torch: the same model, samples and SGD steps; tests/support/trainer_cases.py).
 
@@ -10,6 +10,8 @@ evaluation (whole samples, SP off) gives the unsharded eval loss. Packed documen
 are refused by name on every rank at the first forward. Once ``prepare`` is done, DeepSpeed's call registers no
 ring again (the section's scope is undone).
 """
+
+import functools
 
 import pytest
 import torch
@@ -65,3 +67,18 @@ def test_the_trainer_and_accelerate_train_a_ring_exactly_and_refuse_packed_docum
         assert res["packed"] is not None and "position_ids are not the head-tail block of one +1 run of positions " \
             "(packed documents" in res["packed"] and "fix: train on unpacked samples" in res["packed"]
         assert "fix: set ring_size to 2 (the smallest that works)" in res["after"]
+
+
+def test_trl_s_sft_trainer_trains_a_ring_as_itself_without_sp(tmp_path):
+    """TRL's SFTTrainer (its fused LM head, loss on completions only, 2 right-padded samples per micro-batch, 2
+    micro-batches per step, ZeRO-1) at Ulysses 2 x ring 2 from the section, against the same SFTTrainer on one
+    process without SP: it takes the Trainer's path."""
+    run = functools.partial(tc.sft_trainer_run, heads=HEADS)
+    (plain,) = run_distributed(run, 1, 1, str(tmp_path / "plain"), False, False, timeout=600)
+    want = {"losses": plain["logged"], "start": plain["start"],
+            "update": {n: plain["params"][n] - p for n, p in plain["start"].items()}}
+    ring = functools.partial(tc.sft_trainer_run, ring=2, heads=HEADS)
+    for res in run_distributed(ring, 4, 1, str(tmp_path / "ring"), True, False, timeout=600):
+        errors = tc.compare({**res, "losses": res["logged"]}, want)
+        assert errors["loss"] <= 1e-5 and errors["update"] <= 1e-4, errors
+        assert abs(res["eval_loss"] - plain["eval_loss"]) <= 1e-5 * plain["eval_loss"]

@@ -386,7 +386,7 @@ def completions(n: int, seed: int = 0) -> list[dict]:
 
 
 def sft_trainer_run(rank: int, world_size: int, stage: int, out_dir: str, sp: bool, packing: bool,
-                    moe: bool = False) -> dict:
+                    moe: bool = False, *, ring: int = 1, heads: tuple[int, int] = (4, 2)) -> dict:
     """TRL's SFTTrainer on :func:`completions` (loss on the completions only), 2 samples per micro-batch, 2
     micro-batches per step, 2 steps: with SP at sp = world size switched on by the section (``install()``
     first), or without SP. ``packing``: TRL's best-fit packing into rows of at most 64 tokens, fed by its
@@ -396,7 +396,8 @@ def sft_trainer_run(rank: int, world_size: int, stage: int, out_dir: str, sp: bo
     :func:`moe_model`, whose router load-balancing loss TRL's fused head adds (TRL turns it on for a MoE
     config with a ``router_aux_loss_coef``), instead of Llama, its MoE blocks tiled under SP. Returns the
     logged losses, the trainable parameters before and after training, and the eval loss after it (the
-    Trainer evaluates whole samples without SP)."""
+    Trainer evaluates whole samples without SP). ``ring``: the section's ``ring_size``; ``heads``: the tiny
+    Llama's query and KV heads."""
     import datasets
     from deepspeed.utils import safe_get_full_fp32_param
     from peft import LoraConfig
@@ -409,7 +410,7 @@ def sft_trainer_run(rank: int, world_size: int, stage: int, out_dir: str, sp: bo
     section = None
     if sp:
         ds_ulysses.install()
-        section = {"sequence_parallel_size": world_size}
+        section = {"sequence_parallel_size": world_size, **({"ring_size": ring} if ring > 1 else {})}
         if packing:
             section.update(tiled_mlp={"enabled": True, "shards": 2}, activation_checkpoint_offload={"enabled": True},
                            tiled_loss={"enabled": True, "shards": 2})

@@ -94,6 +94,18 @@ def test_a_ring_lays_the_shifted_padded_sample_out_head_tail():
         prepare_sample({"input_ids": torch.ones(1, 6, dtype=torch.long)}, 2, pad_to_multiple=False, ring_size=2)
 
 
+def test_a_ring_continues_the_positions_of_right_padding():
+    # TRL's collator under SP: right padding at position 0, labels -100 there
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 0, 0], [5, 6, 7, 0, 0, 0]]),
+             "position_ids": torch.tensor([[0, 1, 2, 3, 0, 0], [0, 1, 2, 0, 0, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]]),
+             "labels": torch.tensor([[5, 6, 7, 8, -100, -100], [5, 6, 7, -100, -100, -100]])}
+    out = prepare_sample(batch, 2, ring_size=2)  # 6 tokens padded to 8 (2 x ring), laid out head-tail
+    natural = out["position_ids"][:, natural_order(8, 2)]
+    assert natural.tolist() == [list(range(8))] * 2
+    assert prepare_sample(batch, 2)["position_ids"][:, :6].tolist() == batch["position_ids"].tolist()  # no ring
+
+
 def test_prepare_sample_generates_position_ids():
     out = prepare_sample({"input_ids": torch.ones(2, 4, dtype=torch.long)}, 2)
     assert out["position_ids"].tolist() == [[0, 1, 2, 3]] * 2
