@@ -266,10 +266,10 @@ def _reuse_mesh(mpu: Mesh, dp: int, sp: int, ring: int) -> Mesh:
     if mpu.ring_size != ring:
         raise ValueError(
             f"the mpu passed to deepspeed.initialize is a ds_ulysses mesh with ring_size={mpu.ring_size}, but the "
-            f"\"ulysses\" section gives ring_size={ring}; expected one ring (Transformers' Trainer and Accelerate "
-            "register SP without one, so they serve ring_size 1 only); fix: pass the section's ring_size to "
-            "register_with_transformers(..., ring_size=...), call ds_ulysses.initialize without an mpu, or set "
-            "ring_size to 1")
+            f"\"ulysses\" section gives ring_size={ring}; expected one ring (DeepSpeed's "
+            "register_with_transformers call, made without ring_size, registers none); fix: pass the section's "
+            "ring_size to register_with_transformers(..., ring_size=...), call ds_ulysses.initialize without an mpu, "
+            "or set ring_size to 1")
     return mpu
 
 

@@ -33,7 +33,7 @@ every case and, when one stalls or kills a rank, records it and restarts the ran
 
     python -m tests.architectures [--all | --models llama,gpt2] [--engine] [--engine-all] [--out FILE]
                                   [--sp N] [--dp N] [--length TOKENS] [--docs A,B,C] [--batch ROWS] [--steps N]
-                                  [--gas N] [--zero N] [--dtype bf16|fp16]
+                                  [--gas N] [--zero N] [--dtype bf16|fp16] [--ring N]
 
 ``--sp``, ``--dp``, ``--length``, ``--docs`` and ``--batch`` pick another layout than the default (one SP
 group of 2 ranks, one row of 64 tokens, documents 24+25+15): e.g. sp 4, where the tiny models' 2 KV heads
@@ -51,7 +51,10 @@ wrappers fp32 never uses), ``--dtype fp16`` with ``"fp16"`` and its dynamic loss
 gradient multiplied by it, so a backward that drops its incoming gradient is off by that factor; at ZeRO-0
 ``initialize`` refuses it, as DeepSpeed would never scale the loss there), and
 judges it against the fp32 reference, the unsharded model's own distance from it in that precision being
-the noise (``_step``): a scale or a dropped term shows far above it, rounding does not.
+the noise (``_step``): a scale or a dropped term shows far above it, rounding does not. ``--ring N`` runs both
+checks with ``ring_size`` N (the drop-in call's keyword, the section's field): the SP group becomes ``sp / N``
+Ulysses ranks times a ring of N (docs/ring.md), e.g. ``--sp 4 --ring 2`` at 2 ranks per head group; on plain
+samples only, since the ring refuses packed documents by design.
 
 writes ``FILE`` (JSON lines, one record per model) and ``FILE`` with ``.md`` (a table grouped by
 cause). The fast subset for ``make test`` is ``tests/integration/test_architectures.py``.
@@ -638,32 +641,35 @@ def _outcome(rec: dict, steps: dict) -> dict:
 # -- the drop-in check ---------------------------------------------------------------------------------
 
 
-def sp_step_check(rank: int, sp: int, name: str, samples: dict, phase=lambda p: None, core: str = "sdpa") -> dict:
+def sp_step_check(rank: int, sp: int, name: str, samples: dict, phase=lambda p: None, core: str = "sdpa",
+                  ring: int = 1) -> dict:
     """One step per micro-batch through the drop-in API at sp ``sp``, plain then packed (with several SP
-    groups, each trains on its own ranks' samples), on ``core`` (:data:`CORES`)."""
+    groups, each trains on its own ranks' samples), on ``core`` (:data:`CORES`); with ``ring`` > 1 the
+    registration's ``ring_size`` and plain samples only (:func:`_kinds`)."""
     import ds_ulysses
     from ds_ulysses import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter, enable_sp_loss
 
-    rec = {"model": name, "mode": "dropin", "config_note": OVERRIDES.get(name, (None, ""))[1]}
+    rec = {"model": name, "mode": "dropin", "config_note": OVERRIDES.get(name, (None, ""))[1], "ring": ring}
+    samples = _kinds(samples, ring)
     phase("build and reference")
     try:
         model, refs = _prepare(name, rec, samples, attn="eager" if core == "flash-standin" else "sdpa")
     except Skip as why:
         return {**rec, "status": "skipped", "why": str(why)}
-    current, first_forward, steps = "register", True, {"plain": [], "packed": []}
+    current, first_forward, steps = "register", True, {kind: [] for kind in samples}
     try:
         phase(current)
         if core == "flash-standin":  # the eager model switched to the core, as initialize does
             mpu = UlyssesSPAttentionHF.register_with_transformers(model, "flash_attention_2", sp, 1, scope="model")
         else:
-            mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1)
+            mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, ring_size=ring)
         group = mpu.get_sequence_parallel_group()
         first = mpu.get_data_parallel_rank() * sp  # the SP group's first rank: its micro-batch k is sample first + k
         current = "setup"
         enable_sp_loss(model, group)
         for kind in steps:
             loader = UlyssesSPDataLoaderAdapter([samples[kind][rank]], mpu.get_sequence_parallel_rank(), group,
-                                                sp, "cpu")
+                                                sp, "cpu", ring_size=mpu.ring_size)
             for k, micro in enumerate(loader):  # micro-batch k is the group's rank k's sample
                 current = f"{kind} step {k} forward"
                 phase(current)
@@ -682,6 +688,12 @@ def sp_step_check(rank: int, sp: int, name: str, samples: dict, phase=lambda p: 
     finally:
         ds_ulysses.uninstall()
     return _outcome(rec, steps)
+
+
+def _kinds(samples: dict, ring: int) -> dict:
+    """The sample kinds a check runs: plain and packed, or plain alone under a ring, which refuses packed
+    documents by design (docs/ring.md; the refusal has tests of its own)."""
+    return samples if ring == 1 else {"plain": samples["plain"]}
 
 
 # -- the engine check (ds_ulysses.initialize, default section, ZeRO-3 unless told) ----------------------
@@ -749,7 +761,7 @@ def _engine_data(samples: list, world: int, sp: int, micros: int, keys: tuple) -
 
 
 def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda p: None, steps: int = 1,
-                      gas: int = 1, zero: int = 3, dtype: str = "fp32") -> dict:
+                      gas: int = 1, zero: int = 3, dtype: str = "fp32", ring: int = 1) -> dict:
     """``case`` = ``model@section``: ``steps`` steps through ``ds_ulysses.initialize`` under ZeRO stage
     ``zero`` at sp ``sp``, on plain samples and, with an engine of its own, on packed ones, a new sample each
     micro-batch. A step is ``gas`` micro-batches (forward, backward, ``engine.step()``), its gradient
@@ -766,6 +778,7 @@ def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda
     activations, the optimizer's fp32 copy; at ZeRO-0 and ZeRO-1 DeepSpeed reduces through optimizers of their
     own; fp16 adds the dynamic loss scale, divided out of the gradients compared) and judges it against the
     fp32 reference with the unsharded model's distance from it in that precision as the noise (``_step``).
+    ``ring`` > 1: the section's ``ring_size``, on plain samples only (:func:`_kinds`).
     """
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
@@ -775,14 +788,15 @@ def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda
 
     name, section_name = case.split("@")
     rec = {"model": name, "mode": f"engine-{section_name}", "config_note": OVERRIDES.get(name, (None, ""))[1],
-           "zero": zero, "dtype": dtype}
+           "zero": zero, "dtype": dtype, "ring": ring}
+    samples = _kinds(samples, ring)
     world = dist.get_world_size()
     dp = world // sp
     config = {
         "train_micro_batch_size_per_gpu": samples["plain"][0]["input_ids"].shape[0], "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "torch_adam": True}},
         "zero_optimization": {"stage": zero},
-        "ulysses": {"sequence_parallel_size": sp, **ENGINE_SECTIONS[section_name]},
+        "ulysses": {"sequence_parallel_size": sp, "ring_size": ring, **ENGINE_SECTIONS[section_name]},
     }
     if dtype in LOW_DTYPES:
         config[dtype] = {"enabled": True, **({"initial_scale_power": FP16_SCALE_POWER} if dtype == "fp16" else {})}
@@ -800,7 +814,8 @@ def engine_step_check(rank: int, sp: int, case: str, samples: dict, phase=lambda
 
         rec["z3_leaf"] = Z3_LEAF[model_type_of(name)]
         set_z3_leaf_modules(model, [rec["z3_leaf"]])
-    models = {"plain": model, "packed": copy.deepcopy(model)}  # ZeRO partitions or flattens the model it wraps
+    # ZeRO partitions or flattens the model it wraps: an engine per kind
+    models = {kind: model if kind == "plain" else copy.deepcopy(model) for kind in samples}
     done, current, first_forward = {kind: [] for kind in models}, "setup", True
     for kind, model in models.items():
         # the plain samples leave their position_ids to the adapter, the packed ones bring their documents'
@@ -855,7 +870,7 @@ CHECKS = {"dropin": sp_step_check, "engine": engine_step_check}
 
 
 def _rank_main(rank: int, world_size: int, sp: int, port: int, check: str, cases: list, queue, length: int,
-               docs: list[int], batch: int, engine_opts: dict, core: str = "sdpa") -> None:
+               docs: list[int], batch: int, engine_opts: dict, core: str = "sdpa", ring: int = 1) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
@@ -875,7 +890,7 @@ def _rank_main(rank: int, world_size: int, sp: int, port: int, check: str, cases
     fn = CHECKS[check]
     micros = engine_opts["steps"] * engine_opts["gas"]
     samples = _samples(max(world_size, world_size // sp * micros), length, docs, batch)
-    extra = engine_opts if check == "engine" else {"core": core}
+    extra = {**engine_opts, "ring": ring} if check == "engine" else {"core": core, "ring": ring}
     for case in cases:
         queue.put(("start", rank, case, None))
         try:
@@ -907,9 +922,10 @@ def _merge(case: str, by_rank: dict) -> dict:
 
 def run_cases(cases: list, check: str = "dropin", sp: int = SP, case_timeout: float = 180.0,
               log=None, length: int = LENGTH, docs: list[int] = PACKED_DOCS, batch: int = 1, dp: int = 1,
-              steps: int = 1, gas: int = 1, zero: int = 3, dtype: str = "fp32", core: str = "sdpa") -> dict:
-    """Run ``check`` for every case on ``dp * sp`` spawned gloo ranks (``dp`` SP groups of ``sp`` ranks);
-    {case: record}.
+              steps: int = 1, gas: int = 1, zero: int = 3, dtype: str = "fp32", core: str = "sdpa",
+              ring: int = 1) -> dict:
+    """Run ``check`` for every case on ``dp * sp`` spawned gloo ranks (``dp`` SP groups of ``sp`` ranks, each
+    ``sp / ring`` Ulysses ranks times a ring of ``ring``); {case: record}.
 
     Samples have ``batch`` rows of ``length`` tokens, plain and packed from ``docs``: one per rank, and
     for the engine check ``steps`` x ``gas`` per SP group (``zero``: its ZeRO stage, ``dtype``: fp32, bf16 or
@@ -930,7 +946,7 @@ def run_cases(cases: list, check: str = "dropin", sp: int = SP, case_timeout: fl
         queue, port = ctx.Queue(), free_port()
         procs = [ctx.Process(target=_rank_main, daemon=True,
                              args=(r, world_size, sp, port, check, remaining, queue, length, docs, batch,
-                                   {"steps": steps, "gas": gas, "zero": zero, "dtype": dtype}, core))
+                                   {"steps": steps, "gas": gas, "zero": zero, "dtype": dtype}, core, ring))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -1069,7 +1085,7 @@ def summary(rec: dict) -> str:
     return f"[{rec.get('phase')}] {rec.get('error')}: {_first_line(Exception(rec.get('message', '')), 400)} @ {where}"
 
 
-def write_reports(records: list, out: str, header: str = "", sp: int = SP, dp: int = 1) -> str:
+def write_reports(records: list, out: str, header: str = "", sp: int = SP, dp: int = 1, ring: int = 1) -> str:
     """``out`` as JSON lines, and ``out`` with ``.md``: counts, then one table per cause (``out``'s
     directory is made if missing)."""
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
@@ -1084,7 +1100,8 @@ def write_reports(records: list, out: str, header: str = "", sp: int = SP, dp: i
     for rec in records:
         groups.setdefault(cause(rec), []).append(rec)
     statuses = sorted(_ORDER, key=lambda st: -_ORDER[st])
-    lines = [f"# Architecture sweep at sp {sp}" + (f", dp {dp}" if dp > 1 else ""), "", header, "",
+    lines = [f"# Architecture sweep at sp {sp}" + (f" (Ulysses {sp // ring} x ring {ring})" if ring > 1 else "")
+             + (f", dp {dp}" if dp > 1 else ""), "", header, "",
              "| mode | " + " | ".join(statuses) + " |", "|---" * (len(statuses) + 1) + "|"]
     lines += [f"| {mode} | " + " | ".join(str(by.get(st, 0)) for st in statuses) + " |" for mode, by in counts.items()]
     order = sorted(groups, key=lambda c: (-_ORDER.get(groups[c][0]["status"], 6), c))
@@ -1139,6 +1156,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=("fp32", *LOW_DTYPES), default="fp32", help="the initialize check's "
                         "precision: bf16 and fp16 are judged against the fp32 reference with the unsharded model's "
                         "distance from it in that precision as the noise; needs --engine-only (default fp32)")
+    parser.add_argument("--ring", type=int, default=1, help="ring_size: sp = Ulysses ranks x a ring of N, on plain "
+                        "samples only (the ring refuses packed documents); sdpa only (default 1: Ulysses alone)")
     args = parser.parse_args(argv)
     docs = args.docs
     if args.sp < 2:
@@ -1156,9 +1175,13 @@ def main(argv=None) -> int:
         parser.error(f"--gas {args.gas}: expected at least one micro-batch per step")
     if args.core != "sdpa" and (args.engine or args.engine_all or args.engine_only):
         parser.error(f"--core {args.core}: the drop-in check only; drop --engine, --engine-all and --engine-only")
+    if args.ring < 1 or args.sp % args.ring:
+        parser.error(f"--ring {args.ring}: expected a divisor of --sp {args.sp} (sp = Ulysses ranks x ring_size)")
+    if args.ring > 1 and args.core != "sdpa":
+        parser.error(f"--ring {args.ring} with --core {args.core}: the ring runs torch's SDPA kernels; drop --core")
     if args.dtype != "fp32" and not args.engine_only:
         parser.error(f"--dtype {args.dtype}: the drop-in check runs in fp32 only; add --engine-only")
-    layout = dict(sp=args.sp, dp=args.dp, length=args.length, docs=docs, batch=args.batch)
+    layout = dict(sp=args.sp, dp=args.dp, length=args.length, docs=docs, batch=args.batch, ring=args.ring)
     _quiet()
     import ds_ulysses  # noqa: F401 -- fail here, once, rather than in every case on every rank
 
@@ -1201,10 +1224,12 @@ def main(argv=None) -> int:
     header = (f"Transformers {transformers.__version__}, torch {torch.__version__}; {len(names)} model types and "
               f"variants swept, {len(skipped)} model types left out before building; {took:.0f} s on "
               f"{os.cpu_count()} cores. {bar} "
-              f"Samples: {args.batch} x {args.length} tokens plain, and packed documents {docs} per row; "
-              f"{args.steps} step(s) of {args.gas} micro-batch(es) per engine, ZeRO-{args.zero}. Drop-in core: "
+              f"Samples: {args.batch} x {args.length} tokens plain"
+              + (f" (ring_size {args.ring}: no packed samples, which the ring refuses); " if args.ring > 1 else
+                 f", and packed documents {docs} per row; ")
+              + f"{args.steps} step(s) of {args.gas} micro-batch(es) per engine, ZeRO-{args.zero}. Drop-in core: "
               f"{args.core}.")
-    md = write_reports(records, args.out, header, sp=args.sp, dp=args.dp)
+    md = write_reports(records, args.out, header, sp=args.sp, dp=args.dp, ring=args.ring)
     print(f"{took:.0f} s; wrote {args.out} and {md}")
     return 0
 

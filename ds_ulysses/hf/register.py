@@ -28,6 +28,7 @@ before any collective (:func:`ds_ulysses.hf.servable.check_model_servable`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -48,7 +49,7 @@ from .servable import check_attention_classes, check_core_supported, check_model
     check_sinks_reach_kernel, decoder_of, sliding_layers
 
 __all__ = ["UlyssesSPAttentionHF", "register_with_transformers", "resolve_ring", "unregister_from_transformers",
-           "sp_attention_of", "SCOPES"]
+           "sp_attention_of", "section_ring", "SCOPES"]
 
 _TAG = "attention"
 SCOPES = ("global", "model")
@@ -161,6 +162,21 @@ def _looks_ahead(kwargs: dict) -> bool:
 
 
 _dispatches: dict[str, _Dispatch] = {}
+_section_rings: list = []  # the rings section_ring blocks ask for, innermost last
+
+
+@contextlib.contextmanager
+def section_ring(ring_size):
+    """While the block runs, a registration that names neither a ring nor a mesh takes ``ring_size`` (an int or
+    ``"auto"``, resolved against its model's heads). Accelerate registers SP through DeepSpeed's call, which has no
+    ring, from inside ``Accelerator.prepare``: :mod:`ds_ulysses.hf.accelerate_ring` runs that inside this block with the
+    section's ``ring_size``, so the mesh Accelerate hands to ``deepspeed.initialize`` is the section's. Nothing
+    outlives the block."""
+    _section_rings.append(ring_size)
+    try:
+        yield
+    finally:
+        _section_rings.pop()
 
 
 def _tables():
@@ -257,8 +273,8 @@ def register_with_transformers(model_name_or_path, core_attn_implementation, seq
     ``nn.Module``), whose attention is switched to the core. ``mesh`` reuses an existing
     :class:`~ds_ulysses.distributed.mesh.Mesh`. ``max_length`` is DeepSpeed's deprecated name for
     ``seq_length``, used (with a warning) where ``seq_length`` is not given, as DeepSpeed does.
-    ``ring_size`` (an int or ``"auto"``; None: the mesh's, else 1) spreads the sequence over a ring of Ulysses
-    groups, so sequence_parallel_size may exceed the heads (:mod:`ds_ulysses.sp.ring`).
+    ``ring_size`` (an int or ``"auto"``; None: the mesh's, else :func:`section_ring`'s, else 1) spreads the
+    sequence over a ring of Ulysses groups, so sequence_parallel_size may exceed the heads (:mod:`ds_ulysses.sp.ring`).
     """
     if sequence_parallel_size == 1:
         return None
@@ -297,8 +313,9 @@ def register_with_transformers(model_name_or_path, core_attn_implementation, seq
     if loaded and scope == "global":
         _check_matching_core(model_name_or_path, core_attn_implementation)
     if mesh is None:
-        mesh = build_mesh(sequence_parallel_size,
-                          ring_size=resolve_ring(config, 1 if ring_size is None else ring_size, sequence_parallel_size))
+        if ring_size is None:
+            ring_size = _section_rings[-1] if _section_rings else 1
+        mesh = build_mesh(sequence_parallel_size, ring_size=resolve_ring(config, ring_size, sequence_parallel_size))
     elif mesh.sp != sequence_parallel_size:
         raise ValueError(f"mesh has sp={mesh.sp} but sequence_parallel_size={sequence_parallel_size}; make them equal")
     elif ring_size is not None and resolve_ring(config, ring_size, mesh.sp) != mesh.ring_size:

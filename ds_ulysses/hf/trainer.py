@@ -29,7 +29,10 @@ the Trainer computes the loss with ``deepspeed_sp_compute_loss``. After :func:`d
 - NEFTune's noise is bounded by the whole sequence's length, not a shard's (:func:`activate_neftune`);
 - the Trainer's resume skips into the adapter (:func:`skip_first_batches`), which Accelerate's
   version cannot (the adapter is not a DataLoader), and a resume on another mesh is refused before any
-  step when the skip would not continue the run (:mod:`ds_ulysses.hf.resume`).
+  step when the skip would not continue the run (:mod:`ds_ulysses.hf.resume`);
+- a section with ``ring_size`` other than 1 gets its ring from Accelerate's registration and loaders
+  (:mod:`ds_ulysses.hf.accelerate_ring`); a ring with a core other than sdpa is refused when the
+  Accelerator is built.
 
 Evaluation under Accelerate runs without SP: Accelerate registers the attention with
 ``disable_in_eval=True`` and the Trainer's evaluation loop gives each rank whole samples (labels,
@@ -56,6 +59,8 @@ from ..distributed.collectives import all_reduce_sum
 from ..distributed.mesh import Mesh, mesh_shape
 from ..patching import PATCHES
 from ..sp.data import UlyssesSPDataLoaderAdapter
+from ..sp.ring import check_ring_core
+from .accelerate_ring import prepare_deepspeed, ulysses_dl_adapter
 from .decoder_watch import unserved_loss_scope
 from .resume import check_trainer_resume
 from .router_loss import router_coef
@@ -134,13 +139,8 @@ def reconcile(accelerator) -> None:
     pc = accelerator.state.parallelism_config
     if section is None and (pc is None or pc.sp_size <= 1):
         return
-    if section is not None and section.ring_size != 1:
-        raise ValueError(
-            f"ulysses.ring_size={section.ring_size!r} under Accelerate or Transformers' Trainer: they register SP and "
-            "wrap the loader through DeepSpeed's calls, which carry no ring, so the ring's mesh and head-tail data "
-            "layout would not be set up; expected ring_size 1 here; fix: set ring_size to 1 (sp within the model's "
-            "query heads), or train with ds_ulysses.initialize, which serves ring_size > 1")
     merged = _merge(section, pc)
+    check_ring_core(merged.attn_implementation, merged.ring_size)
     if section is None:  # DeepSpeed's switch: in the user's own loop the model's outputs and steps are DeepSpeed's
         merged = dataclasses.replace(merged, model_loss=False, trim_host_heap=False,
                                      tiled_loss=dataclasses.replace(merged.tiled_loss, enabled=False))
@@ -399,4 +399,7 @@ def install_accelerate(tag: str) -> None:
         _patch_trainer(tag)
 
     PATCHES.set_attr(Accelerator, "__init__", __init__, tag)
+    for name, wrapper in (("_prepare_deepspeed", prepare_deepspeed),
+                          ("deepspeed_ulysses_dl_adapter", ulysses_dl_adapter)):
+        PATCHES.set_attr(Accelerator, name, _around(getattr(Accelerator, name), wrapper), tag)
     _patch_trainer(tag)

@@ -41,7 +41,7 @@ from .batch_check import VARLEN_KEYS, check_batch, first_error, is_int_tensor
 from .packed import find_documents
 from .shards import SHARDS
 
-__all__ = ["UlyssesSPDataLoaderAdapter", "prepare_sample"]
+__all__ = ["UlyssesSPDataLoaderAdapter", "prepare_sample", "continue_over_right_padding"]
 
 
 def prepare_sample(batch: dict, sp_world_size: int, pad_to_multiple: bool = True, pad_token_id: int = 0,
@@ -55,8 +55,9 @@ def prepare_sample(batch: dict, sp_world_size: int, pad_to_multiple: bool = True
     does not count them.
     With ``vocab_size``, token ids and labels are range-checked here, where the sample is known,
     rather than failing inside an embedding or the loss on one rank. With ``ring_size > 1`` the multiple is
-    also one of ``2 * ring_size`` (head and tail chunks per ring rank), and every tensor's sequence dim is then
-    put in head-tail order, position_ids and masks with the tokens, shifted labels with their tokens.
+    also one of ``2 * ring_size`` (head and tail chunks per ring rank), right padding continues its row's
+    positions (:func:`continue_over_right_padding`), and every tensor's sequence dim is then put in
+    head-tail order, position_ids and masks with the tokens, shifted labels with their tokens.
     """
     batch = varlen_as_positions(batch)
     check_batch(batch, vocab_size)
@@ -67,6 +68,8 @@ def prepare_sample(batch: dict, sp_world_size: int, pad_to_multiple: bool = True
     if "labels" in batch:
         labels = batch.pop("labels")
         batch["shift_labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    if ring_size > 1 and "attention_mask" in batch:
+        batch["position_ids"] = continue_over_right_padding(batch)
     multiple = sp_world_size if ring_size == 1 else math.lcm(sp_world_size, 2 * ring_size)
     pad = -sl % multiple
     if pad and not pad_to_multiple:
@@ -92,6 +95,23 @@ def prepare_sample(batch: dict, sp_world_size: int, pad_to_multiple: bool = True
         order = head_tail_order(sl + pad, ring_size)  # [sl]
         batch = {k: v[:, order] if torch.is_tensor(v) else v for k, v in batch.items()}
     return batch
+
+
+def continue_over_right_padding(batch: dict) -> torch.Tensor:
+    """The batch's position_ids with each row's right padding (attention mask 0 after its last real token)
+    continuing the row's +1 run.
+
+    The ring's causal kernel takes no document mask, so padding whose positions restart at 0 (TRL's collator
+    under SP writes them so) would read as a packed document and be refused. Such padding is seen by no real
+    token (causal attention) and predicts no label (:func:`~ds_ulysses.sp.batch_check.check_batch` refuses padding
+    whose next label is not -100), so its positions change nothing the loss sees; continuing the run is what the
+    model computes without SP when given no position_ids."""
+    positions, real = batch["position_ids"], batch["attention_mask"] != 0  # [bs sl]
+    index = torch.arange(positions.shape[1]).expand_as(positions)          # [bs sl]
+    tail = real.long().flip(1).cumsum(dim=1).flip(1) == 0                  # after a row's last real token
+    last = torch.where(real, index, 0).amax(dim=1, keepdim=True)          # [bs 1] (0 for a row of padding)
+    base = positions.gather(1, last) - last                                # [bs 1] the run's position at index 0
+    return torch.where(tail, base + index, positions).to(positions.dtype)
 
 
 def varlen_as_positions(batch):
@@ -188,6 +208,19 @@ class UlyssesSPDataLoaderAdapter:
         adapter.iter, adapter.micro_batches = iter(adapter.dl), deque()
         for _ in range(within):
             next(adapter)
+        return adapter
+
+    def with_ring(self, ring_size: int) -> "UlyssesSPDataLoaderAdapter":
+        """This adapter, before its first refill, laying samples out for a ring of ``ring_size``
+        (:func:`prepare_sample`): for an adapter built by a caller that knows no ring (Accelerate builds it
+        with DeepSpeed's five arguments), once the mesh's ring is known."""
+        if self.micro_batches:
+            raise ValueError(
+                f"with_ring({ring_size}) on an adapter holding {len(self.micro_batches)} micro-batches laid out for "
+                f"ring_size={self.ring_size}; expected an adapter before its first refill; fix: call with_ring "
+                "before iterating the adapter")
+        adapter = copy.copy(self)
+        adapter.ring_size, adapter.iter, adapter.micro_batches = ring_size, iter(self.dl), deque()
         return adapter
 
     def __len__(self) -> int:

@@ -30,9 +30,19 @@ from ..distributed.collectives import collective_device
 from ..distributed.ring import check_ring_template, head_tail_order, ring_attention
 from ..distributed.watch import GroupWatch
 
-__all__ = ["RingCore", "RingFacts", "RingProblem"]
+__all__ = ["RingCore", "RingFacts", "RingProblem", "check_ring_core"]
 
 _NOT_SERVED = "the ring attention (ring_size > 1) serves causal sdpa attention over one document per row"
+
+
+def check_ring_core(core_attn_implementation: str, ring_size) -> None:
+    """The ring runs torch's fused SDPA kernels only: a ring with any other core is refused, at setup, on every
+    rank alike (each holds the same section). ``"auto"`` is judged once resolved (it may come to 1)."""
+    if isinstance(ring_size, int) and ring_size > 1 and core_attn_implementation != "sdpa":
+        raise ValueError(
+            f"ring_size={ring_size!r} needs attn_implementation 'sdpa', got {core_attn_implementation!r}: "
+            f"{_NOT_SERVED}, through torch's SDPA ring; fix: set attn_implementation to \"sdpa\", or ring_size "
+            "to 1")
 
 
 class RingProblem(enum.IntEnum):
@@ -64,11 +74,7 @@ class RingCore:
 
     def __init__(self, group, ring_size: int, ring_rank: int, core_attn_implementation: str = "sdpa", *,
                  watch: GroupWatch | None = None):
-        if core_attn_implementation != "sdpa":
-            raise ValueError(
-                f"ring_size={ring_size} needs attn_implementation 'sdpa', got {core_attn_implementation!r}: "
-                f"{_NOT_SERVED}, through torch's SDPA ring; fix: set attn_implementation to \"sdpa\", or ring_size "
-                "to 1")
+        check_ring_core(core_attn_implementation, ring_size)
         check_ring_template()
         self.group, self.ring_size, self.ring_rank = group, ring_size, ring_rank
         self.watch = watch if watch is not None else GroupWatch.of_group(group)

@@ -5,7 +5,7 @@ ZeRO-3; a few with tiled MLPs, checkpoint offload or both with the loss in tiles
 ``ds_ulysses.initialize``, MoE router losses among them (tiled MoE blocks too, on 2 padded rows), and Llama
 in other layouts (sp 4, a padded length, 2 rows, with Mixtral's router loss too; dp 2 x sp 2 for 3 steps;
 2 micro-batches per step, Mixtral among it; bf16 at ZeRO-1 and fp16 at ZeRO-2, and Gemma 3 in bf16 at
-ZeRO-3), and the flash path (a stand-in kernel) for softcaps, sinks and windows; the full sweep is
+ZeRO-3; Ulysses 2 x ring 2), and the flash path (a stand-in kernel) for softcaps, sinks and windows; the full sweep is
 ``python -m tests.architectures`` (``--core flash-standin`` for the flash path).
 A model is never allowed to come out ``wrong`` (silently off) or ``crash``; a refusal must name the
 real cause.
@@ -129,6 +129,20 @@ def test_the_sweep_runs_in_another_layout():
         assert rec["status"] == "exact", summary(rec)
         assert rec["shard_shape"] == [2, 18]
         assert [len(rec["steps"][kind]) for kind in ("plain", "packed")] == [4, 4]  # one step per rank's sample
+
+
+def test_the_sweep_runs_with_a_ring():
+    """``--sp 4 --ring 2``: Ulysses 2 x ring 2 through the drop-in call's ``ring_size`` and the adapter's head-tail
+    layout, plain samples only. Llama and Mixtral's router loss (its routing statistics over the whole
+    sequence, in head-tail order) are exact; Mistral's window of 16 tokens over 64, which the ring does not
+    serve, is refused by name."""
+    records = run_cases(["llama", "mixtral+aux", "mistral"], "dropin", sp=4, ring=2, case_timeout=120)
+    for name in ("llama", "mixtral+aux"):
+        rec = records[name]
+        assert rec["status"] == "exact" and rec["ring"] == 2, summary(rec)
+        assert list(rec["steps"]) == ["plain"] and len(rec["steps"]["plain"]) == 4  # one step per rank's sample
+    assert records["mistral"]["status"] == "refused"
+    assert "asks for a sliding window of 16 tokens over a 64-token sequence" in records["mistral"]["message"]
 
 
 @pytest.mark.slow

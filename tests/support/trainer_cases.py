@@ -48,13 +48,13 @@ def _labelled(sample: dict) -> int:
 
 
 def reference(data: list[dict], steps: int, eval_data: list[dict] | None = None, window: int = 1,
-              groups: int = 1) -> dict:
+              groups: int = 1, heads: tuple[int, int] = (4, 2)) -> dict:
     """One process, no SP: SGD, step k on the ``window`` samples from ``k * window``; per-step losses, final
     parameters, and the mean per-sample loss on ``eval_data`` after training. The step's loss is the token
     mean over each of ``groups`` consecutive equal groups of its samples (a DP replica's share of the step),
     averaged over the groups: ``groups=1`` is the window's token mean, ``groups=window`` the mean of the
-    samples' means."""
-    model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))
+    samples' means. ``heads``: the tiny Llama's query and KV heads."""
+    model = tiny_model(tiny_config("llama", heads=heads[0], kv_heads=heads[1]))
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
@@ -115,7 +115,7 @@ def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: st
                 evaluate: bool = False, save: bool = False, resume_from: str | None = None,
                 save_steps: int = 0, *, sp: int | None = None, gas: int = 1, average_tokens: bool = True,
                 prompts: bool = False, packed: bool = False, moe: bool = False, section_extra: dict | None = None,
-                checkpointing: bool = False) -> dict:
+                checkpointing: bool = False, heads: tuple[int, int] = (4, 2)) -> dict:
     """A real Trainer with SP at ``sp`` (the world size by default), switched on by ``switch``: "section"
     (the DeepSpeed config's "ulysses" section), "parallelism_config" (Transformers' documented path),
     "both", or "none" (the same Trainer without SP); ``gas`` micro-batches per step, ``average_tokens`` its
@@ -123,7 +123,8 @@ def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: st
     ``packed`` micro-batches of 3 :func:`documents` packed by Transformers' padding-free
     ``DataCollatorWithFlattening`` (position_ids restart per document), ``moe`` a tiny Mixtral training its
     router load-balancing loss (:func:`moe_model`) instead of Llama, ``section_extra`` more fields of the
-    section (tiled attention, say), ``checkpointing`` the Trainer's gradient checkpointing. Returns the losses
+    section (tiled attention, say), ``checkpointing`` the Trainer's gradient checkpointing, ``heads`` the tiny Llama's
+    query and KV heads. Returns the losses
     ``compute_loss`` gave, the losses the Trainer logged per step, and the final parameters. Leaves ds_ulysses
     installed (a second Trainer in the process registers over the first; the caller uninstalls). ``logits``: per
     training forward, whether the model returned logits (the tiled loss returns none); ``tiled_blocks``: the
@@ -138,7 +139,7 @@ def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: st
     ds_ulysses.install()
     # built before TrainingArguments: with a ZeRO-3 config they make from_config partition at construction
     # (zero.Init), which initialises the weights differently from the reference
-    model = moe_model() if moe else tiny_model(tiny_config("llama", heads=4, kv_heads=2))
+    model = moe_model() if moe else tiny_model(tiny_config("llama", heads=heads[0], kv_heads=heads[1]))
     model.eval()  # as from_pretrained leaves it: the Trainer switches to train mode in its first training_step
     sp = sp or world_size
     section = {"sequence_parallel_size": sp, **(section_extra or {})} if switch in ("section", "both") else None
@@ -171,6 +172,7 @@ def trainer_run(rank: int, world_size: int, stage: int, switch: str, out_dir: st
     out = {"losses": losses, "logits": logits, "logged": [h["loss"] for h in trainer.state.log_history if "loss" in h],
            "params": full_params(trainer.model_wrapped),
            "sp": getattr(trainer.accelerator.parallelism_config, "sp_size", 1),
+           "ring": getattr(getattr(trainer.model_wrapped, "mpu", None), "ring_size", 1),
            "tiled_blocks": sum("_ds_ulysses_head_groups" in vars(m) for m in trainer.model_wrapped.module.modules())}
     if evaluate:
         out["eval_loss"] = trainer.evaluate()["eval_loss"]
@@ -286,7 +288,8 @@ def trainer_refusals(rank: int, world_size: int, out_dir: str) -> dict:
 
 
 def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: int = 3,
-                   eval_mode: bool = False, library: str = "ours", loss: str = "model") -> dict:
+                   eval_mode: bool = False, library: str = "ours", loss: str = "model", *,
+                   section_extra: dict | None = None, heads: tuple[int, int] = (4, 2)) -> dict:
     """A plain Accelerate loop (``accelerator.prepare`` / ``accelerator.backward``) with SP from ``switch``;
     ``eval_mode`` leaves the model in eval mode through the whole loop, as a loop does that loads the model with
     ``from_pretrained`` (which returns it in eval mode) and never calls ``model.train()`` (Accelerate's ALST
@@ -296,7 +299,8 @@ def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: i
     DeepSpeed's tutorial write for DeepSpeed's module: the model's loss function on this rank's
     ``logits`` and ``shift_labels``, weighted across the SP group by valid-token counts through a
     differentiable all-gather (``model_losses``: what ``model(**batch).loss`` was beside it). ``trims``: the heap
-    trims the engine ran after its steps (``trim_host_heap``)."""
+    trims the engine ran after its steps (``trim_host_heap``). ``section_extra``: more fields of the section (a
+    ring, say); ``heads``: the tiny Llama's query and KV heads."""
     from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig
@@ -317,8 +321,9 @@ def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: i
             return trim()
 
         ds_engine.trim_host_heap = counted_trim
-    model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))  # before the ZeRO-3 plugin (see trainer_run)
-    section = {"sequence_parallel_size": world_size} if switch in ("section", "both") else None
+    model = tiny_model(tiny_config("llama", heads=heads[0], kv_heads=heads[1]))  # before the ZeRO-3 plugin
+    section = ({"sequence_parallel_size": world_size, **(section_extra or {})} if switch in ("section", "both")
+               else None)
     config = {**ds_config(stage, section), "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "gradient_clipping": 0.0}
     config.pop("train_batch_size")
@@ -353,6 +358,7 @@ def accelerate_run(rank: int, world_size: int, stage: int, switch: str, steps: i
         optimizer.zero_grad()
         losses.append(step_loss.item())
     out = {"losses": losses, "params": full_params(model), "sp": accelerator.parallelism_config.sp_size,
+           "ring": getattr(getattr(model, "mpu", None), "ring_size", 1), "loader_ring": getattr(loader, "ring_size", 1),
            "model_losses": model_losses, "trims": len(trims)}
     ds_ulysses.uninstall()
     return out
@@ -380,7 +386,7 @@ def completions(n: int, seed: int = 0) -> list[dict]:
 
 
 def sft_trainer_run(rank: int, world_size: int, stage: int, out_dir: str, sp: bool, packing: bool,
-                    moe: bool = False) -> dict:
+                    moe: bool = False, *, ring: int = 1, heads: tuple[int, int] = (4, 2)) -> dict:
     """TRL's SFTTrainer on :func:`completions` (loss on the completions only), 2 samples per micro-batch, 2
     micro-batches per step, 2 steps: with SP at sp = world size switched on by the section (``install()``
     first), or without SP. ``packing``: TRL's best-fit packing into rows of at most 64 tokens, fed by its
@@ -390,7 +396,8 @@ def sft_trainer_run(rank: int, world_size: int, stage: int, out_dir: str, sp: bo
     :func:`moe_model`, whose router load-balancing loss TRL's fused head adds (TRL turns it on for a MoE
     config with a ``router_aux_loss_coef``), instead of Llama, its MoE blocks tiled under SP. Returns the
     logged losses, the trainable parameters before and after training, and the eval loss after it (the
-    Trainer evaluates whole samples without SP)."""
+    Trainer evaluates whole samples without SP). ``ring``: the section's ``ring_size``; ``heads``: the tiny
+    Llama's query and KV heads."""
     import datasets
     from deepspeed.utils import safe_get_full_fp32_param
     from peft import LoraConfig
@@ -403,13 +410,13 @@ def sft_trainer_run(rank: int, world_size: int, stage: int, out_dir: str, sp: bo
     section = None
     if sp:
         ds_ulysses.install()
-        section = {"sequence_parallel_size": world_size}
+        section = {"sequence_parallel_size": world_size, **({"ring_size": ring} if ring > 1 else {})}
         if packing:
             section.update(tiled_mlp={"enabled": True, "shards": 2}, activation_checkpoint_offload={"enabled": True},
                            tiled_loss={"enabled": True, "shards": 2})
         if moe:  # the router logits of tiled MoE blocks
             section.update(tiled_mlp={"enabled": True, "shards": 2})
-    model = moe_model() if moe else tiny_model(tiny_config("llama", heads=4, kv_heads=2))
+    model = moe_model() if moe else tiny_model(tiny_config("llama", heads=heads[0], kv_heads=heads[1]))
     model.eval()  # as from_pretrained leaves it: the Trainer switches to train mode in its first training_step
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
                       lora_dropout=0.0, task_type="CAUSAL_LM") if packing else None

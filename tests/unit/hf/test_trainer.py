@@ -77,7 +77,7 @@ class _Accelerator:
     """What ``reconcile`` reads of an Accelerator (given as attributes)."""
 
 
-def _reconciled(config: dict, pc) -> tuple:
+def _reconciled(config: dict, pc, sp: int = 2) -> tuple:
     """An Accelerator with this DeepSpeed config and parallelism_config (4 processes, no process group) after
     ``reconcile``, and the section it left in the config."""
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
@@ -88,7 +88,7 @@ def _reconciled(config: dict, pc) -> tuple:
     accelerator.state = types.SimpleNamespace(deepspeed_plugin=plugin, parallelism_config=pc)
     accelerator.num_processes = 4
     reconcile(accelerator)
-    assert accelerator.state.parallelism_config.sp_size == 2
+    assert accelerator.state.parallelism_config.sp_size == sp
     return accelerator, plugin.deepspeed_config["ulysses"]
 
 
@@ -114,10 +114,13 @@ def test_parallelism_config_alone_gives_deepspeed_s_outputs_in_a_user_s_loop_and
         serve_the_trainer_s_loss(accelerator)
 
 
-def test_a_ring_under_accelerate_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"ulysses.ring_size=2 under Accelerate or Transformers' Trainer.*fix: set "
-                                         r"ring_size to 1 .*or train with ds_ulysses.initialize"):
-        _reconciled({"ulysses": {"sequence_parallel_size": 4, "ring_size": 2}}, _pc(4))
+def test_a_ring_reaches_accelerate_and_a_ring_with_another_core_is_refused_by_name():
+    accelerator, section = _reconciled({"ulysses": {"sequence_parallel_size": 4, "ring_size": 2}}, _pc(4), sp=4)
+    assert section["ring_size"] == 2  # read back by ds_ulysses.initialize and Accelerate's registration
+    with pytest.raises(ValueError, match=r"ring_size=2 needs attn_implementation 'sdpa', got 'flash_attention_2'.*"
+                                         r"fix: set attn_implementation to \"sdpa\", or ring_size to 1"):
+        _reconciled({"ulysses": {"sequence_parallel_size": 4, "ring_size": 2,
+                                 "attn_implementation": "flash_attention_2"}}, _pc(4), sp=4)
 
 
 class _Outputs:

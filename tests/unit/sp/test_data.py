@@ -94,6 +94,18 @@ def test_a_ring_lays_the_shifted_padded_sample_out_head_tail():
         prepare_sample({"input_ids": torch.ones(1, 6, dtype=torch.long)}, 2, pad_to_multiple=False, ring_size=2)
 
 
+def test_a_ring_continues_the_positions_of_right_padding():
+    # TRL's collator under SP: right padding at position 0, labels -100 there
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 0, 0], [5, 6, 7, 0, 0, 0]]),
+             "position_ids": torch.tensor([[0, 1, 2, 3, 0, 0], [0, 1, 2, 0, 0, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]]),
+             "labels": torch.tensor([[5, 6, 7, 8, -100, -100], [5, 6, 7, -100, -100, -100]])}
+    out = prepare_sample(batch, 2, ring_size=2)  # 6 tokens padded to 8 (2 x ring), laid out head-tail
+    natural = out["position_ids"][:, natural_order(8, 2)]
+    assert natural.tolist() == [list(range(8))] * 2
+    assert prepare_sample(batch, 2)["position_ids"][:, :6].tolist() == batch["position_ids"].tolist()  # no ring
+
+
 def test_prepare_sample_generates_position_ids():
     out = prepare_sample({"input_ids": torch.ones(2, 4, dtype=torch.long)}, 2)
     assert out["position_ids"].tolist() == [[0, 1, 2, 3]] * 2
@@ -169,6 +181,21 @@ def test_single_rank_is_local():
     adapter = UlyssesSPDataLoaderAdapter([_sample(5, 0)], 0, None, 1, "cpu")
     (micro,) = list(adapter)
     assert micro["shift_labels"].shape == (1, 5) and len(adapter) == 1
+
+
+def test_an_adapter_built_without_a_ring_takes_one_before_its_first_refill():
+    # what Accelerate builds with DeepSpeed's five arguments, laid out for the ring once its mesh is known
+    sample = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "labels": torch.tensor([[5, 6, 7, 8, 9]])}
+    plain = UlyssesSPDataLoaderAdapter([sample], 0, None, 1, "cpu")
+    ring = plain.with_ring(2)
+    assert (plain.ring_size, ring.ring_size) == (1, 2)
+    (micro,) = list(ring)
+    want = prepare_sample(sample, 1, ring_size=2)  # the head-tail layout: [5 6 0 0 7 8 9 0]
+    assert all(torch.equal(micro[k], want[k]) for k in want)
+    plain.refill()  # one micro-batch drawn, laid out without the ring
+    with pytest.raises(ValueError, match=r"with_ring\(2\) on an adapter holding 1 micro-batches laid out for "
+                                         r"ring_size=1; .* fix: call with_ring before iterating the adapter"):
+        plain.with_ring(2)
 
 
 @st.composite
