@@ -99,13 +99,13 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    from ds_ulysses.planner import add_arguments
+    from ds_ulysses.plan_command import add_arguments
 
     add_arguments(parser)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from ds_ulysses.planner import run_command
+    from ds_ulysses.plan_command import run_command
 
     return run_command(args)
 

@@ -25,8 +25,9 @@ LAYERS = {
     "hf": {"constants", "patching", "config", "distributed", "sp", "memory", "reshard"},
     "engine": {"constants", "patching", "config", "distributed", "sp", "memory", "hf", "reshard"},
     "planner": {"constants", "config", "sp", "memory"},
+    "plan_command": {"constants", "planner"},
     "train": {"constants", "patching", "config", "distributed", "sp", "memory", "hf", "engine", "planner", "reshard"},
-    "cli": {"config", "distributed", "planner", "train"},
+    "cli": {"config", "distributed", "planner", "plan_command", "train"},
     "__init__": {"constants", "patching", "config", "distributed", "sp", "memory", "hf", "engine"},
 }
 # Third-party frameworks, by the layers allowed to import them.
