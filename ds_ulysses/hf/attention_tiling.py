@@ -6,7 +6,9 @@ group: q_proj, k_proj and v_proj to the group's rows (its heads' features, whole
 projection (o_proj; Phi's dense, GPT-J's out_proj) to the same columns, its bias in group 0's share only; the
 head counts a forward reads from the block (``num_heads``...) are the group's while it runs. Everything
 between (RoPE, per-head q/k norms, the SP all-to-alls, the core attention) is the model's and SP's own code on
-fewer heads. So the split is exact wherever the block is a sum over heads, and a block that is not is refused
+fewer heads. Under sdpa and flash attention a group's fused kernel outputs are kept from forward to backward
+(:mod:`~ds_ulysses.memory.kept_kernels`), so backward recomputes the group around its core attention, not the
+core itself. The split is exact wherever the block is a sum over heads, and a block that is not is refused
 by name at setup: one projection for q, k and v together, a q_proj that also yields a gate, a norm over all
 heads' features or one norm per head, a parameter of the block outside its projections (attention sinks),
 dropout on the attention probabilities (backward's recompute would draw other masks), projections that are not
@@ -37,6 +39,9 @@ _OUTPUTS = ("o_proj", "dense", "out_proj")  # the output projection's names (Lla
 # per-head norms over hs features (Qwen 3's, Gemma 3's; Phi's): one weight shared by every head, so by every group
 _HEAD_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
 _FIX = "fix: set \"tiled_attention\": {\"enabled\": false}"
+# the cores whose fused kernels a group keeps from forward to backward (memory.kept_kernels); others (flex_attention,
+# which compiles itself and cannot run under a dispatch mode; eager; Hub kernels) run their core again in backward
+_KEEPS_KERNELS = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
 def attention_blocks(model) -> list[tuple[str, nn.Module]]:
@@ -172,7 +177,8 @@ def _tiled_forward(module, forward, *args, **kwargs):
         [p for p in (getattr(module, p).bias for p in projections) if p is not None] + \
         [p for n in _HEAD_NORMS if isinstance(getattr(module, n, None), nn.Module)
          for p in getattr(module, n).parameters()]
-    return TiledHeads.apply(share, module, x, groups, params), None
+    core = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    return TiledHeads.apply(share, module, x, groups, params, keep_kernels=core in _KEEPS_KERNELS), None
 
 
 class _Narrowed(nn.Module):

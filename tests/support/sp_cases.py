@@ -137,9 +137,9 @@ def sp_vs_reference(rank: int, world_size: int, case: dict) -> dict:
         tile_attention(model, world_size, case["tiled_attention"])
         forward = TiledHeads.forward
 
-        def counted(ctx, fn, module, x, groups, *params):
+        def counted(ctx, fn, module, x, groups, keep, *params):
             tiled_calls.append(groups)
-            return forward(ctx, fn, module, x, groups, *params)
+            return forward(ctx, fn, module, x, groups, keep, *params)
 
         TiledHeads.forward = staticmethod(counted)
     if case.get("tiled_norms"):  # the decoder's norms recomputed; the tiled blocks keep their inputs

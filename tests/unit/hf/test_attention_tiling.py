@@ -8,10 +8,12 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ds_ulysses
 from ds_ulysses.hf.attention_tiling import attention_blocks, tile_attention, untile_attention
 from ds_ulysses.memory import tiled_heads
+from ds_ulysses.memory.kept_kernels import KERNELS
 
 from tests.support.models import rel_err, tiny_config, tiny_model
 
@@ -33,9 +35,9 @@ def _count_tiled_calls(monkeypatch) -> list:
     calls = []
     forward = tiled_heads.TiledHeads.forward
 
-    def counted(ctx, fn, module, x, groups, *params):
+    def counted(ctx, fn, module, x, groups, keep, *params):
         calls.append(groups)
-        return forward(ctx, fn, module, x, groups, *params)
+        return forward(ctx, fn, module, x, groups, keep, *params)
 
     monkeypatch.setattr(tiled_heads.TiledHeads, "forward", staticmethod(counted))
     return calls
@@ -65,6 +67,32 @@ def test_tiled_blocks_train_like_untiled(family, extra, shards, monkeypatch):
     assert got.keys() == want.keys()
     for name in want:
         assert rel_err(got[name], want[name]) <= 1e-4, name
+
+
+class _KernelCalls(TorchDispatchMode):
+    """Counts torch's fused attention kernels dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func._schema.name in KERNELS
+        return func(*args, **(kwargs or {}))
+
+
+def test_backward_runs_no_core_attention_again_under_sdpa():
+    """Each group's kernel runs once, in forward; backward takes its kept outputs."""
+    model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))
+    tile_attention(model, 1, 2)
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+    counting = _KernelCalls()
+    with counting:
+        loss = model(input_ids=ids, labels=ids).loss
+        forward_calls = counting.calls
+        loss.backward()
+    assert forward_calls == 2 * model.config.num_hidden_layers
+    assert counting.calls == forward_calls
 
 
 def test_without_autograd_the_blocks_run_whole_and_untiling_restores_them(monkeypatch):
