@@ -240,8 +240,9 @@ def tile_rows(dims: ModelDims, setup: Setup) -> tuple[int, int]:
 
 # What tiled attention takes off a layer's recompute and backward, fitted from benchmarks/results/breakdown.jsonl
 # (ours and ours[tiled_attention] at sp 2, S 3072/4096/5120, one run, 2 head groups of issue 67's
-# Llama-3.1-8B-shaped model: per-token units at the layer's peak 6.76 -> 3.25): 3.51 units at 2 groups, so the
-# attention's own full-sequence tensors are 7.02 units at kv heads / heads = 0.25
+# Llama-3.1-8B-shaped model, fp32, head_dim 128: per-token units at the layer's peak 6.76 -> 4.26): 2.50 units at 2
+# groups, of which the kept kernel outputs (1 + 4 / (128 * 4) units, see tiled_attention_units) give back 1.01, so
+# the attention's own full-sequence tensors are 2 * (2.50 + 1.01) = 7.02 units at kv heads / heads = 0.25
 _TILED_ATTENTION_FIT = (7.02, 0.25)
 
 
@@ -252,10 +253,12 @@ _TILED_ATTENTION_FIT = (7.02, 0.25)
 TILED_NORMS_FIT = {"layer": (0.0, 4.0), "loss": (0.0, 1.0), "head backward": (0.0, 1.0)}
 
 
-def tiled_attention_units(dims: ModelDims, shards: int) -> float:
+def tiled_attention_units(dims: ModelDims, shards: int, act_bytes: int) -> float:
     """Hidden-sized tensors per token a layer's recompute and backward no longer holds when its attention runs
     ``shards`` head groups one at a time (0 at 1 shard): the attention's full-sequence tensors A, of which one
-    group's share ``A / shards`` stays alive.
+    group's share ``A / shards`` stays alive, less what the groups keep from forward to backward so that backward
+    does not run the core attention again (:mod:`ds_ulysses.memory.kept_kernels`): the kernels' output (one unit)
+    and log-sum-exp (one fp32 value per head and token: ``4 / (head_dim * act_bytes)`` units).
 
     A is the measured figure (:data:`_TILED_ATTENTION_FIT`) carried to other head layouts by what scales with
     them: q, the output and their copies (4 of the 4 + 4 r the layout predicts at r = kv heads / heads) do not
@@ -263,10 +266,12 @@ def tiled_attention_units(dims: ModelDims, shards: int) -> float:
     """
     if shards < 1:
         raise ValueError(f"expected a positive tiled_attention shard count, got {shards}")
+    if shards == 1:
+        return 0.0
     measured, at_ratio = _TILED_ATTENTION_FIT
     r = dims.kv_heads / dims.heads
     units = measured * (4 + 4 * r) / (4 + 4 * at_ratio)
-    return units * (1 - 1 / shards)
+    return units * (1 - 1 / shards) - (1 + 4 / (dims.head_dim * act_bytes))
 
 
 # Elements of one tensor past which kernels that index with 32-bit integers fail: ALST's 1-GPU recipe dies at
@@ -309,7 +314,7 @@ def segment_peaks(dims: ModelDims, setup: Setup) -> dict[str, tuple[float, float
     out = {}
     for name, t in measured.items():
         terms = t if isinstance(t, SegmentTerms) else SegmentTerms(**t)
-        units = terms.units - (tiled_attention_units(dims, setup.tiled_attention) if name == "layer" else 0.0)
+        units = terms.units - (tiled_attention_units(dims, setup.tiled_attention, b) if name == "layer" else 0.0)
         norm_units = terms.norm_units
         if setup.tiled_norms:
             fewer_units, fewer_norms = TILED_NORMS_FIT.get(name, (0.0, 0.0))

@@ -182,7 +182,7 @@ def test_tiled_attention_term_is_one_function_of_the_shards(shards):
     base = Setup(1 << 20, 8, 8, ckpt_offload=True, tiled_mlp=32, tiled_loss=512)
     tiled = Setup(1 << 20, 8, 8, ckpt_offload=True, tiled_mlp=32, tiled_loss=512, tiled_attention=shards)
     saved = segment_peaks(LLAMA8B, base)["layer"][0] - segment_peaks(LLAMA8B, tiled)["layer"][0]
-    assert saved == pytest.approx(tiled_attention_units(LLAMA8B, shards) * (1 << 17) * LLAMA8B.hidden * 2)
+    assert saved == pytest.approx(tiled_attention_units(LLAMA8B, shards, 2) * (1 << 17) * LLAMA8B.hidden * 2)
     assert (saved == 0) == (shards == 1)
 
 
@@ -213,7 +213,7 @@ def test_tiled_attention_and_tiled_norms_terms_are_the_measured_differences():
     base, attention, norms = (planner_terms(_latest(records, name, 2)) for name in
                               ("ours", "ours[tiled_attention]", "ours[tiled_attention,tiled_norms]"))
     dims = dims_of(_latest(records, "ours[tiled_attention]", 2))
-    assert base["layer"]["units"] - attention["layer"]["units"] == pytest.approx(tiled_attention_units(dims, 2),
+    assert base["layer"]["units"] - attention["layer"]["units"] == pytest.approx(tiled_attention_units(dims, 2, 4),
                                                                                  abs=0.01)
     for segment in base:
         units, norm = TILED_NORMS_FIT.get(segment, (0.0, 0.0))
