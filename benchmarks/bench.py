@@ -99,6 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead of a fixed S, search the longest S whose step fits BUDGET of RSS per rank "
                              "(e.g. 4G) for each --impl / --variant")
     parser.add_argument("--max-seq-step", default="1K", help="granularity of the --max-seq search")
+    parser.add_argument("--max-seq-cap", default=None, metavar="LEN",
+                        help="search no further than LEN (e.g. 38K): an arm that fits there is reported as at "
+                             "least LEN (for arms whose steps past it take too long on this machine)")
     parser.add_argument("--max-seq-steps", type=int, default=3, metavar="N",
                         help="training steps per --max-seq probe (its peak is the largest over all of them)")
 
@@ -176,6 +179,7 @@ def run_command(args: argparse.Namespace) -> int:
         if args.cycles < 1:
             raise ValueError(f"--cycles must be 1 or more (measured refill cycles per launch), got {args.cycles}")
         granularity = parse_size(args.max_seq_step)
+        cap = parse_size(args.max_seq_cap) if args.max_seq_cap else None
         _check_loop(args)
         host_env = _parse_host_env(args)
     except ValueError as exc:
@@ -186,7 +190,7 @@ def run_command(args: argparse.Namespace) -> int:
         pass
     elif budget is not None:
         records = run_maxseq(budget, args.sp, args.impl, variants, out, model, granularity, args.timeout,
-                             args.max_seq_steps)
+                             args.max_seq_steps, cap=cap)
         print(format_maxseq(records))
     elif args.tiled_iters > 0:
         print(format_tiled(run_tiled_suite(seq_lens, args.tiled_iters, out, args.timeout, ops=args.tiled_ops,

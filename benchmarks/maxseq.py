@@ -17,7 +17,9 @@ guards keep a line that misleads from costing probes: it is followed at most ``E
 past the longest fit (where the short probes' peaks are nearly equal, runtime rather than
 activations, the line's slope is nearly flat and would aim far past the answer), and where it
 aims at or past the shortest failure (the peak grows faster than the line there) the bracket is
-halved, while more than two lengths remain in it, instead of walked down one step at a time. When
+halved, while more than two lengths remain in it, instead of walked down one step at a time. With a cap
+(``--max-seq-cap``: a length whose step takes too long on this machine to search past it) the bracket starts
+closed above at the cap: a search that fits there answers the cap, a lower bound (its record says ``cap``). When
 the bracket has closed, ``lo`` is probed a second time (a run's peak RSS moves by a few % between
 identical launches, and a length near the budget can fit by luck once): if it fails now, it becomes
 ``hi`` and the search goes on below it. The result is ``lo``: measured to fit in every probe of it,
@@ -45,15 +47,20 @@ START = 2048  # the first probe; the second is twice as long
 EXTRAPOLATE = 4  # the line's guess is capped at this many times the longest length that fitted
 
 
-def search(probe, budget: int, granularity: int, start: int = START, max_probes: int = 14, log=print) -> dict:
-    """Longest multiple of ``granularity`` whose ``probe(S) -> peak bytes or None (over budget)`` fits.
+def search(probe, budget: int, granularity: int, start: int = START, max_probes: int = 14, log=print,
+           cap: int | None = None) -> dict:
+    """Longest multiple of ``granularity`` whose ``probe(S) -> peak bytes or None (over budget)`` fits,
+    up to ``cap`` (None: no cap; a length past it is never probed).
 
     Returns ``{"max_seq", "next_failed", "probes": [[S, peak or None], ...]}``; ``max_seq`` fitted in
-    every probe of it, two at least unless ``max_probes`` ran out first (0 if nothing fitted).
+    every probe of it, two at least unless ``max_probes`` ran out first (0 if nothing fitted);
+    ``next_failed`` is None where no length was measured over the budget (a search that reached its cap).
     """
     fits: dict[int, int] = {}
-    lo, hi = 0, math.inf
-    length = max(granularity, start // granularity * granularity)
+    lo, failed = 0, math.inf
+    ceiling = math.inf if cap is None else cap // granularity * granularity + granularity  # first S not probed
+    hi = ceiling
+    length = min(max(granularity, start // granularity * granularity), hi - granularity)
     probes = []
     while len(probes) < max_probes:
         peak = probe(length)
@@ -62,6 +69,7 @@ def search(probe, budget: int, granularity: int, start: int = START, max_probes:
         if peak is not None:
             fits[length], lo = max(peak, fits.get(length, 0)), max(lo, length)
         else:
+            failed = min(failed, length)
             hi = min(hi, length)
             if fits.pop(length, None) is not None:  # it fitted before: a lucky run; the search goes on below it
                 lo = max(fits, default=0)
@@ -73,7 +81,7 @@ def search(probe, budget: int, granularity: int, start: int = START, max_probes:
         if len(fits) < 2:  # not enough points for a line yet: double, or halve below the shortest failure
             length = 2 * lo if peak is not None else max(granularity, (lo + hi) // 2 // granularity * granularity)
             if length >= hi:
-                length = (lo + hi) // 2 // granularity * granularity
+                length = (lo + hi) // 2 // granularity * granularity if hi == failed else hi - granularity
             if length <= lo:
                 break
             continue
@@ -83,15 +91,15 @@ def search(probe, budget: int, granularity: int, start: int = START, max_probes:
         length = max(int(guess // granularity * granularity), lo + granularity)
         if hi < math.inf:
             length = min(length, hi - granularity)
-        if hi < math.inf and length == hi - granularity and length - lo > 2 * granularity:
+        if hi == failed and length == hi - granularity and length - lo > 2 * granularity:
             length = (lo + hi) // 2 // granularity * granularity  # the line aims at the failure: bisect instead
-    return {"max_seq": lo, "next_failed": hi if hi < math.inf else None, "probes": probes}
+    return {"max_seq": lo, "next_failed": failed if failed < math.inf else None, "probes": probes}
 
 
 def run_maxseq(budget: int, sps, impls, variants: dict, out: Path, model: dict | None = None, granularity: int = 1024,
-               timeout: float = 1800.0, steps: int = 3, log=print) -> list[dict]:
-    """Search every arm at every sp, each probe ``steps`` training steps; one record per arm appended to
-    ``out``."""
+               timeout: float = 1800.0, steps: int = 3, log=print, cap: int | None = None) -> list[dict]:
+    """Search every arm at every sp, each probe ``steps`` training steps, up to ``cap`` (a record that reached
+    it carries ``"cap"``); one record per arm appended to ``out``."""
     records = []
     out.parent.mkdir(parents=True, exist_ok=True)
     for sp in sps:
@@ -110,10 +118,10 @@ def run_maxseq(budget: int, sps, impls, variants: dict, out: Path, model: dict |
                 return peak if peak <= budget else None
 
             begin = time.monotonic()
-            found = search(probe, budget, step, log=log)
+            found = search(probe, budget, step, log=log, cap=cap)
             record = {"kind": "maxseq", "name": name, "impl": impl, "variant": variant, "section": section, "sp": sp,
                       "budget": budget, "granularity": step, "probe_steps": steps, "model": model or {}, **found,
-                      "seconds": time.monotonic() - begin, **stamp()}
+                      **({"cap": cap} if cap is not None else {}), "seconds": time.monotonic() - begin, **stamp()}
             append_record(out, record)
             records.append(record)
             log(f"{name} sp={sp}: longest S {found['max_seq']} ({len(found['probes'])} probes, "

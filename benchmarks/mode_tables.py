@@ -107,7 +107,10 @@ def format_maxseq(records: list[dict]) -> str:
             return f"**{rec['max_seq'] / other['max_seq']:.2f}**"
 
         probes = ", ".join(f"{seq_text(s)}{'' if p is not None else '✗'}" for s, p in rec["probes"])
-        rows.append([f"{budget / GIB:.2f}", sp, steps, name, seq_text(rec["max_seq"]) if rec["max_seq"] else "none",
+        longest = seq_text(rec["max_seq"]) if rec["max_seq"] else "none"
+        if rec["max_seq"] and rec["max_seq"] == rec.get("cap"):
+            longest = f">= {longest} (the search's cap)"
+        rows.append([f"{budget / GIB:.2f}", sp, steps, name, longest,
                      seq_text(rec["next_failed"]) if rec["next_failed"] else "-", ratio(base), ratio(alst), probes,
                      f"{rec['seconds'] / 60:.1f}"])
     return md_table(["budget GiB/rank", "sp", "steps per probe", "arm", "longest S that fits", "next S (over budget)",

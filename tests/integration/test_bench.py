@@ -440,6 +440,26 @@ def test_max_seq_search_is_not_led_far_off_by_a_flat_start_or_a_peak_steeper_tha
     assert len(set(probed)) <= 8 and probed.count(truth) == 2, probed
 
 
+@pytest.mark.parametrize("per_token,cap,truth", [(40, 16384, 16384), (40, 40960, 21504), (40, 1024, 1024)])
+def test_max_seq_search_probes_nothing_past_its_cap(per_token, cap, truth):
+    """With a cap the search never probes past it: an arm that fits at the cap answers the cap (probed twice,
+    no failure measured), one that does not is searched below it as without a cap."""
+    budget = 1_000_000
+
+    def peak(s):
+        return 100_000 + per_token * s
+
+    probed = []
+
+    def probe(s):
+        probed.append(s)
+        return peak(s) if peak(s) <= budget else None
+
+    found = maxseq.search(probe, budget, 1024, log=lambda _: None, cap=cap)
+    assert found["max_seq"] == truth and max(probed) <= cap and probed.count(truth) == 2, probed
+    assert found["next_failed"] == (None if truth == cap else truth + 1024)
+
+
 @pytest.mark.parametrize("lucky", [1, 2])
 def test_max_seq_search_believes_a_length_only_when_it_fits_every_time(lucky):
     """Peak RSS moves by a few % between identical launches: the `lucky` lengths just above the
@@ -545,6 +565,15 @@ def test_max_seq_table_compares_arms_searched_with_the_same_steps_per_probe():
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
     assert [(r[2], r[3], r[4], r[6]) for r in rows] == [
         ("1", "deepspeed", "8K", "**1.00**"), ("3", "deepspeed", "4K", "**1.00**"), ("3", "ours", "16K", "**4.00**")]
+
+
+def test_max_seq_table_marks_a_search_that_reached_its_cap():
+    capped = {"kind": "maxseq", "name": "ours[tiles]", "budget": 2 << 30, "sp": 2, "probe_steps": 3, "max_seq": 40960,
+              "cap": 40960, "next_failed": None, "probes": [[40960, 1 << 30], [40960, 1 << 30]], "seconds": 60.0}
+    table = mode_tables.format_maxseq([capped, {**capped, "name": "ours", "max_seq": 20480, "next_failed": 21504}])
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    assert [(r[3], r[4], r[5]) for r in rows] == [("ours", "20K", "21K"),
+                                                  ("ours[tiles]", ">= 40K (the search's cap)", "-")]
 
 
 def test_max_seq_table_and_plot_show_each_arms_latest_search(monkeypatch, tmp_path):
