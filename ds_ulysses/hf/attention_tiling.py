@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import attn_implementations
 from ..memory.tiled_heads import TiledHeads
 from ..patching import PATCHES
 from ..sp.heads import plan_attention_groups
@@ -39,9 +40,13 @@ _OUTPUTS = ("o_proj", "dense", "out_proj")  # the output projection's names (Lla
 # per-head norms over hs features (Qwen 3's, Gemma 3's; Phi's): one weight shared by every head, so by every group
 _HEAD_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
 _FIX = "fix: set \"tiled_attention\": {\"enabled\": false}"
-# the cores whose fused kernels a group keeps from forward to backward (memory.kept_kernels); others (flex_attention,
-# which compiles itself and cannot run under a dispatch mode; eager; Hub kernels) run their core again in backward
-_KEEPS_KERNELS = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def _keeps_kernels(core) -> bool:
+    """Whether a group keeps its fused kernels' outputs from forward to backward (:mod:`..memory.kept_kernels`)
+    under the core attention ``core``: the section's cores but flex_attention, which compiles itself and cannot run
+    under a dispatch mode; eager and Hub kernels run their core again in backward."""
+    return core in attn_implementations() and core != "flex_attention"
 
 
 def attention_blocks(model) -> list[tuple[str, nn.Module]]:
@@ -178,7 +183,7 @@ def _tiled_forward(module, forward, *args, **kwargs):
         [p for n in _HEAD_NORMS if isinstance(getattr(module, n, None), nn.Module)
          for p in getattr(module, n).parameters()]
     core = getattr(getattr(module, "config", None), "_attn_implementation", None)
-    return TiledHeads.apply(share, module, x, groups, params, keep_kernels=core in _KEEPS_KERNELS), None
+    return TiledHeads.apply(share, module, x, groups, params, keep_kernels=_keeps_kernels(core)), None
 
 
 class _Narrowed(nn.Module):
