@@ -302,7 +302,8 @@ def longest_table() -> str:
     """``ds-ulysses plan --seq-len max`` for Llama-3.1-8B on the published setups, ours and DeepSpeed's recipe,
     under the 2**31-element tensor limit and past it, beside the published records."""
     from ds_ulysses.constants import GIB
-    from ds_ulysses.planner import KNOWN_MODELS, max_seq_len
+    from ds_ulysses.plan_search import max_seq_len
+    from ds_ulysses.planner import KNOWN_MODELS
 
     dims = KNOWN_MODELS["llama-3.1-8b"]
     setups = [(1, 80, None, "ALST 500K (1 H100)"), (8, 80, 2048, "ALST 3.7M, UPipe 5.24M (8 H100)"),

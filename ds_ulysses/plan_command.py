@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 from .constants import GIB
+from .plan_search import max_seq_len, recommend, ulysses_section
 from .planner import (INDEX_LIMIT, KNOWN_MODELS, MEASURED_TERMS, RECIPES, ModelDims, Setup, breakdown, largest_tensor,
-                      layer_traffic, load_dims, max_seq_len, parse_size, recommend, segment_peaks, ulysses_section)
+                      layer_traffic, load_dims, parse_size, segment_peaks)
 
 __all__ = ["format_breakdown", "add_arguments", "run_command"]
 
