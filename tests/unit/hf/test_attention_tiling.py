@@ -8,13 +8,12 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ds_ulysses
 from ds_ulysses.hf.attention_tiling import attention_blocks, tile_attention, untile_attention
 from ds_ulysses.memory import tiled_heads
-from ds_ulysses.memory.kept_kernels import KERNELS
 
+from tests.support.autograd_probes import KernelCalls
 from tests.support.models import rel_err, tiny_config, tiny_model
 
 
@@ -69,24 +68,12 @@ def test_tiled_blocks_train_like_untiled(family, extra, shards, monkeypatch):
         assert rel_err(got[name], want[name]) <= 1e-4, name
 
 
-class _KernelCalls(TorchDispatchMode):
-    """Counts torch's fused attention kernels dispatched inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func._schema.name in KERNELS
-        return func(*args, **(kwargs or {}))
-
-
 def test_backward_runs_no_core_attention_again_under_sdpa():
     """Each group's kernel runs once, in forward; backward takes its kept outputs."""
     model = tiny_model(tiny_config("llama", heads=4, kv_heads=2))
     tile_attention(model, 1, 2)
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
-    counting = _KernelCalls()
+    counting = KernelCalls()
     with counting:
         loss = model(input_ids=ids, labels=ids).loss
         forward_calls = counting.calls

@@ -5,8 +5,6 @@ inputs, so in practice equal), and autograd keeps only the residual stream: two 
 layer, counted from what autograd saves. The SP and ZeRO-3 paths are in tests/integration."""
 
 import copy
-import gc
-import weakref
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from ds_ulysses.memory import tile_mlps
 from ds_ulysses.memory.rebuild import kept_input, mark_rebuildable
 from ds_ulysses.memory.tiled_mlp import TiledMLP
 
+from tests.support.autograd_probes import held_after_forward
 from tests.support.models import rel_err, tiny_config, tiny_model
 
 
@@ -67,25 +66,12 @@ def test_tiled_norms_train_like_untiled(family, norms, blocks):
         assert rel_err(got[name], want[name]) <= 1e-4, name
 
 
-class _Held:
-    def __init__(self, tensor):
-        self.tensor = tensor.detach()  # a saved output's history would hold its holder: a cycle gc cannot see
-
-
 def _saved_hidden(model, ids) -> list[torch.dtype]:
     """The dtypes of the distinct hidden-sized ``[rows, length, h]`` storages autograd holds for backward once
     the forward has returned (what a tiled block saves and drops inside its forward is not held)."""
-    numel, holders = ids.numel() * model.config.hidden_size, []
-
-    def pack(t):
-        holder = _Held(t)
-        holders.append(weakref.ref(holder))
-        return holder
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda holder: holder.tensor):
-        loss = model(input_ids=ids, labels=ids).loss
-    gc.collect()
-    seen = {t.untyped_storage().data_ptr(): t.dtype for t in (ref().tensor for ref in holders if ref() is not None)
+    numel = ids.numel() * model.config.hidden_size
+    loss, held = held_after_forward(lambda: model(input_ids=ids, labels=ids).loss)
+    seen = {t.untyped_storage().data_ptr(): t.dtype for t in held
             if t.numel() == numel and t.untyped_storage().nbytes() == numel * t.element_size()}
     loss.backward()
     return list(seen.values())

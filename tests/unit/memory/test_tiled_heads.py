@@ -3,18 +3,15 @@ only its input and each group's fused attention kernel outputs for backward (the
 and hands each parameter's gradient to autograd once per backward, also for a
 weight used again outside it. Tolerances: helpers.TOL (fp32 sums in another order)."""
 
-import gc
-import weakref
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds_ulysses.memory import TiledHeads
-from ds_ulysses.memory.kept_kernels import KERNELS
 from ds_ulysses.memory.tiles import storage_holders
+
+from tests.support.autograd_probes import KernelCalls, held_after_forward
 
 from .helpers import TOL, assert_close, count_accumulations, grads_of, rel
 
@@ -57,27 +54,6 @@ def test_matches_the_sum_of_the_shares(groups):
     assert_close(got, want, "grad")
 
 
-class _Held:
-    def __init__(self, tensor):
-        self.tensor = tensor.detach()  # a saved output's history would hold its holder: a cycle gc cannot see
-
-
-def kept_after_forward(make_output):
-    """The tensors autograd still holds for backward once ``make_output()`` has returned (a graph built and
-    dropped inside it holds nothing), detached."""
-    holders = []
-
-    def pack(t):
-        holder = _Held(t)
-        holders.append(weakref.ref(holder))
-        return holder
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda holder: holder.tensor):
-        y = make_output()
-    gc.collect()
-    return y, [ref().tensor for ref in holders if ref() is not None]
-
-
 def same_tensor(a, b):
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape
 
@@ -86,7 +62,7 @@ def test_keeps_only_its_input_for_backward():
     torch.manual_seed(0)
     block = Grouped()
     x = torch.randn(1, 6, 8, requires_grad=True)
-    _, kept = kept_after_forward(lambda: TiledHeads.apply(share_fn, block, x, 4))
+    _, kept = held_after_forward(lambda: TiledHeads.apply(share_fn, block, x, 4))
     assert len(kept) == 1 and same_tensor(kept[0], x)
 
 
@@ -111,21 +87,6 @@ class HeadGroups(nn.Module):
         return sum(self.share(x, g, self.heads // groups) for g in range(groups))
 
 
-class KernelCalls(TorchDispatchMode):
-    """Counts the fused attention kernels dispatched inside it and keeps their outputs."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls, self.outputs = 0, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func._schema.name in KERNELS:
-            self.calls += 1
-            self.outputs += [t.detach() for t in out if torch.is_tensor(t)]  # not the graph's own tensor
-        return out
-
-
 @pytest.mark.parametrize("groups", [1, 2, 4])
 def test_runs_each_kernel_once_and_keeps_its_outputs(groups):
     """The core attention runs once per group in forward and not again in backward; what stays for backward is
@@ -144,7 +105,7 @@ def test_runs_each_kernel_once_and_keeps_its_outputs(groups):
 
     counting = KernelCalls()
     with counting:
-        got_y, kept = kept_after_forward(lambda: TiledHeads.apply(share, block, x, groups))
+        got_y, kept = held_after_forward(lambda: TiledHeads.apply(share, block, x, groups))
         forward_calls = counting.calls
         got = grads_of((got_y * w).sum(), inputs)
     assert forward_calls == groups and counting.calls == groups
@@ -171,7 +132,7 @@ def test_under_checkpointing_the_kept_outputs_are_dropped_and_recomputed_with_th
 
     counting = KernelCalls()
     with counting:
-        y, kept = kept_after_forward(lambda: torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False))
+        y, kept = held_after_forward(lambda: torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False))
         assert counting.calls == 2
         alone = storage_holders(torch.empty(1))  # what a tensor nothing else holds counts
         assert [storage_holders(t) for t in counting.outputs] == [alone] * 4  # nothing but this test holds them
